@@ -1,0 +1,95 @@
+"""Shared benchmark helpers: side-by-side timing, environment capture, JSON + PNG output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict[str, Any]:
+    """Describe the machine and library versions a result was measured on."""
+    import flax
+    import numpy as np
+
+    devices = jax.devices()
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "numpy": np.__version__,
+        "backend": jax.default_backend(),
+        "devices": [d.device_kind for d in devices],
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def block(x: Any) -> Any:
+    """Wait for every array in a pytree (so timings include the device work)."""
+    return jax.block_until_ready(x)
+
+
+def time_fn(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Time `fn()` (blocking on its result): the first call is reported as compile+run."""
+    t0 = time.perf_counter()
+    block(fn())
+    first = time.perf_counter() - t0
+    for _ in range(max(warmup - 1, 0)):
+        block(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block(fn())
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "first_call_s": first, "repeats": repeats}
+
+
+def interleaved_times(fns: dict[str, Callable[[], Any]], *, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Time several functions side by side, alternating calls so machine noise hits all alike."""
+    out: dict[str, dict[str, float]] = {}
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for name, fn in fns.items():  # warm-up / compile
+        t0 = time.perf_counter()
+        block(fn())
+        out[name] = {"first_call_s": time.perf_counter() - t0}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            block(fn())
+            samples[name].append(time.perf_counter() - t0)
+    for name, ts in samples.items():
+        out[name].update({"median_s": statistics.median(ts), "min_s": min(ts), "repeats": repeats})
+    return out
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    """Write `bench/results/<name>.json` with the environment added; returns the path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"name": name, "environment": environment(), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def plot_path(name: str) -> Path:
+    """Where the PNG plot of benchmark `name` goes."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    return RESULTS_DIR / f"{name}.png"
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far (bytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,191 @@
+"""BABILong-like long-context retrieval task: find a code among facts hidden in filler text.
+
+A sample is, in tokens, exactly ``length_tokens`` long::
+
+    <bos> filler ... " The code of the blue box is 4711." ... filler ... (num_facts facts)
+    "\\nWhat is the code of the blue box? The code of the blue box is "
+
+The filler is random contiguous spans of the tokenized *validation* split (documents
+separated by ``<eos>``, exactly as in packed training data); facts are spliced in at token
+boundaries, preferably at sentence ends.  The prompt ends with the space token, and the
+answer is the code's :data:`CODE_DIGITS` digits, one token each (the tokenizer splits
+digits), so greedy exact-match chance is ``10 ** -CODE_DIGITS`` and per-digit chance 1/10.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from jaxlongctx.data.tokenizer import BOS_ID, EOS_ID, encode_corpus
+
+COLOURS: tuple[str, ...] = ("black", "blue", "brown", "green", "grey", "orange", "pink",
+                            "purple", "red", "silver", "white", "yellow")
+OBJECTS: tuple[str, ...] = ("bag", "book", "bottle", "box", "chest", "door", "drawer",
+                            "folder", "jar", "key", "lamp", "safe")
+CODE_DIGITS = 4
+
+# Seeds below EVAL_SEED_BASE are for training, seeds from it on are held out for evaluation.
+SEED_SPACE = 2**31
+TRAIN_SEED_BASE = 0
+EVAL_SEED_BASE = TRAIN_SEED_BASE + SEED_SPACE
+
+
+@dataclass(frozen=True)
+class HaystackSample:
+    """One retrieval prompt; the model must continue ``ids`` with ``answer_ids``."""
+
+    ids: np.ndarray             # int32, exactly length_tokens: <bos>, filler and facts, question
+    answer_ids: np.ndarray      # int32, CODE_DIGITS single-digit tokens
+    answer: str                 # the code, e.g. "4711"
+    question: str               # text of the prompt's last tokens, ends with "... is "
+    facts: tuple[str, ...]      # text of each inserted fact, in position order
+    fact_positions: np.ndarray  # int32, offset in ids of each fact's first token, ascending
+    target_fact: int            # index into facts / fact_positions of the asked fact
+
+
+@dataclass(frozen=True)
+class _Resources:
+    """Per-tokenizer filler stream, its sentence boundaries and the digit tokens."""
+
+    filler: np.ndarray       # validation split token ids
+    boundary: np.ndarray     # bool, True where a fact may be inserted before filler[i]
+    digit_ids: np.ndarray    # token id of "0".."9"
+
+
+def train_seed(step: int) -> int:
+    """Seed of training sample/batch ``step``; never equal to an evaluation seed."""
+    return TRAIN_SEED_BASE + _check_seed_index(step)
+
+
+def eval_seed(index: int) -> int:
+    """Seed of held-out evaluation sample/batch ``index``; never equal to a training seed."""
+    return EVAL_SEED_BASE + _check_seed_index(index)
+
+
+def _check_seed_index(index: int) -> int:
+    """Validate a seed index against :data:`SEED_SPACE`."""
+    if not 0 <= index < SEED_SPACE:
+        raise ValueError(f"seed index must be in [0, {SEED_SPACE}), got {index}")
+    return index
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    """Token ids of ``text`` without special tokens."""
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+
+@functools.cache
+def _resources(tokenizer: Tokenizer) -> _Resources:
+    """Tokenized filler, its sentence boundaries and the digit tokens (cached per tokenizer)."""
+    digit_ids = _encode(tokenizer, "0123456789")
+    if [tokenizer.decode([int(i)]) for i in digit_ids] != list("0123456789"):
+        raise ValueError("the tokenizer must encode each digit as a single token")
+    filler = encode_corpus("validation", tokenizer)
+    pieces = tokenizer.decode_batch([[i] for i in range(tokenizer.get_vocab_size())])
+    ends_sentence = np.array([p.endswith((".", "!", "?", "\n")) for p in pieces])
+    starts_space = np.array([p[:1].isspace() for p in pieces])
+    boundary = np.ones(filler.size, dtype=bool)
+    boundary[1:] = (ends_sentence[filler[:-1]] & starts_space[filler[1:]]) | (filler[:-1] == EOS_ID)
+    return _Resources(filler=filler, boundary=boundary, digit_ids=digit_ids)
+
+
+def _filler(rng: np.random.Generator, res: _Resources, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` filler tokens from random contiguous spans (several if n exceeds the split)."""
+    spans, masks, left = [], [], n
+    while left > 0:
+        size = min(left, res.filler.size)
+        start = int(rng.integers(0, res.filler.size - size + 1))
+        spans.append(res.filler[start:start + size])
+        masks.append(res.boundary[start:start + size])
+        left -= size
+    if not spans:
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=bool)
+    mask = np.concatenate(masks)
+    mask[0] = True
+    return np.concatenate(spans), mask
+
+
+def _insertion_points(rng: np.random.Generator, mask: np.ndarray, num_facts: int,
+                      target_depth: float | None) -> tuple[np.ndarray, int]:
+    """Ascending filler offsets for the facts and the index of the asked fact among them."""
+    candidates = np.flatnonzero(np.append(mask, True))  # the filler's end is a boundary too
+    if candidates.size < num_facts:  # too little filler: any offset, facts may touch
+        candidates = np.arange(mask.size + 1)
+    replace = candidates.size < num_facts
+    if target_depth is None:
+        points = np.sort(rng.choice(candidates, size=num_facts, replace=replace))
+        return points, int(rng.integers(num_facts))
+    target = candidates[np.argmin(np.abs(candidates - target_depth * mask.size))]
+    others = candidates if replace else candidates[candidates != target]
+    points = np.sort(np.append(rng.choice(others, size=num_facts - 1, replace=replace), target))
+    return points, int(np.searchsorted(points, target))
+
+
+def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, tokenizer: Tokenizer,
+                num_facts: int = 4, target_depth: float | None = None) -> HaystackSample:
+    """A retrieval prompt of exactly ``length_tokens`` tokens (same seed -> same sample).
+
+    ``target_depth`` in [0, 1] puts the asked fact at the sentence boundary nearest that
+    relative depth of the filler; by default all fact depths are uniformly random.
+    """
+    n_pairs = len(COLOURS) * len(OBJECTS)
+    if not 1 <= num_facts <= n_pairs:
+        raise ValueError(f"num_facts must be in [1, {n_pairs}], got {num_facts}")
+    if target_depth is not None and not 0.0 <= target_depth <= 1.0:
+        raise ValueError(f"target_depth must be in [0, 1], got {target_depth}")
+    rng = np.random.default_rng(rng_or_seed)
+    res = _resources(tokenizer)
+
+    # Fact 0 is the asked one; the pairs are random, so this is no bias.
+    pairs = rng.choice(n_pairs, size=num_facts, replace=False)
+    subjects = [f"{COLOURS[p // len(OBJECTS)]} {OBJECTS[p % len(OBJECTS)]}" for p in pairs]
+    codes = ["".join(map(str, rng.integers(0, 10, size=CODE_DIGITS))) for _ in subjects]
+    period = _encode(tokenizer, ".")
+    fact_ids = [np.concatenate([_encode(tokenizer, f" The code of the {s} is "),
+                                res.digit_ids[[int(d) for d in c]], period])
+                for s, c in zip(subjects, codes)]
+    facts = [f" The code of the {s} is {c}." for s, c in zip(subjects, codes)]
+    question = f"\nWhat is the code of the {subjects[0]}? The code of the {subjects[0]} is "
+    question_ids = _encode(tokenizer, question)
+
+    filler_size = length_tokens - 1 - sum(f.size for f in fact_ids) - question_ids.size
+    if filler_size < 0:
+        raise ValueError(f"length_tokens={length_tokens} is too small: <bos>, {num_facts} facts "
+                         f"and the question take {length_tokens - filler_size} tokens here")
+    filler, mask = _filler(rng, res, filler_size)
+    points, target = _insertion_points(rng, mask, num_facts, target_depth)
+    order = [*range(1, target + 1), 0, *range(target + 1, num_facts)]
+
+    parts, positions, prev, offset = [np.array([BOS_ID], dtype=np.int32)], [], 0, 1
+    for point, k in zip(points, order):
+        parts += [filler[prev:point], fact_ids[k]]
+        offset += point - prev
+        positions.append(offset)
+        offset += fact_ids[k].size
+        prev = point
+    parts += [filler[prev:], question_ids]
+    return HaystackSample(
+        ids=np.concatenate(parts), answer_ids=res.digit_ids[[int(d) for d in codes[0]]],
+        answer=codes[0], question=question, facts=tuple(facts[k] for k in order),
+        fact_positions=np.array(positions, dtype=np.int32), target_fact=target)
+
+
+def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer,
+               num_facts: int = 4, target_depth: float | None = None) -> dict[str, np.ndarray]:
+    """Stacked samples; sample i is ``make_sample(np.random.default_rng([seed, i]), ...)``."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    samples = [make_sample(np.random.default_rng([seed, i]), length_tokens, tokenizer,
+                           num_facts=num_facts, target_depth=target_depth) for i in range(batch)]
+    return {
+        "ids": np.stack([s.ids for s in samples]),
+        "answer_ids": np.stack([s.answer_ids for s in samples]),
+        "fact_positions": np.stack([s.fact_positions for s in samples]),
+        "target_fact": np.array([s.target_fact for s in samples], dtype=np.int32),
+    }

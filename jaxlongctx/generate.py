@@ -1,0 +1,127 @@
+"""Autoregressive generation: jitted prefill, then a jitted decode step over a static cache."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxlongctx.config import eos_ids
+from jaxlongctx.kvcache.dense import DenseCache
+from jaxlongctx.model.llama import decode_hidden, forward_hidden
+from jaxlongctx.model.model import Model
+from jaxlongctx.sampling import select_next
+from jaxlongctx.validation import check_ids, check_mask, check_positive_int
+
+_ALL_DONE_CHECK_EVERY = 16  # decode steps between host checks for "every row has stopped"
+
+
+def bucket_length(n: int) -> int:
+    """Round a length up to a compile bucket: powers of two up to 1024, then multiples of 1024."""
+    if n <= 1024:
+        return max(16, 1 << (n - 1).bit_length())
+    return -(-n // 1024) * 1024
+
+
+def last_real_index(mask: jnp.ndarray) -> jnp.ndarray:
+    """Index `[B]` of the last real token of each row of a `[B, T]` mask."""
+    t = mask.shape[1]
+    return t - 1 - jnp.argmax(mask[:, ::-1], axis=1)
+
+
+def _prefill(model: Model, capacity: int, params, ids, mask):
+    """Full forward over the (bucketed) prompt; returns last-token logits `[B, V]` and the filled cache."""
+    module = model.merge(params)
+    h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)  # k/v: L B T K hd
+    last = last_real_index(mask)
+    logits = module.head(h[jnp.arange(h.shape[0]), last][:, None])[:, 0]
+    cache = DenseCache.allocate(model.config, ids.shape[0], capacity, k.dtype)
+    t = ids.shape[1]
+    cache = DenseCache(cache.k.at[:, :, :t].set(k), cache.v.at[:, :, :t].set(v),
+                       cache.key_valid.at[:, :t].set(mask))
+    return logits, cache
+
+
+def _decode_step(model: Model, sampler: tuple, eos: tuple[int, ...], pad_id: int,
+                 params, cache: DenseCache, logits, key, done, positions, slot):
+    """Choose the next token from `logits`, then run it through the model at cache `slot`."""
+    tok = select_next(logits, key, *sampler)
+    tok = jnp.where(done, pad_id, tok)
+    done = done | jnp.isin(tok, jnp.asarray(eos, jnp.int32)) if eos else done
+    module = model.merge(params)
+    key_valid = cache.key_valid.at[:, slot].set(True)
+    h, k, v = decode_hidden(module, tok[:, None], positions[:, None], slot, cache.k, cache.v, key_valid)
+    return tok, done, module.head(h)[:, 0], DenseCache(k, v, key_valid)
+
+
+def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             eos_id: int | list[int] | None = None, attention_mask: Any = None,
+             progress: bool = False) -> np.ndarray:
+    """Generate `max_new_tokens` after `ids [B, T]`; returns ids `[B, T + new]` (greedy by default).
+
+    Rows stop independently at `eos_id` (default: the config's eos) and are then filled with it.
+    """
+    if hasattr(model, "generate_ids"):  # models with their own decoding (e.g. ARMT) plug in here
+        return model.generate_ids(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress)
+    if not isinstance(model, Model):
+        raise ValueError(f"generate() needs a jaxlongctx Model, got {type(model).__name__}")
+    cfg = model.config
+    ids = check_ids(ids, cfg.vocab_size)
+    mask = check_mask(attention_mask, ids)
+    max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
+    sampler = check_sampler(temperature, top_k, top_p, cfg.vocab_size)
+    eos = tuple(np.atleast_1d(eos_id).tolist()) if eos_id is not None else eos_ids(cfg)
+    pad_id = eos[0] if eos else (cfg.pad_token_id or 0)
+    b, t = ids.shape
+    model.check_length(t + max_new_tokens)
+
+    prompt_len = bucket_length(t)
+    ids_p = np.zeros((b, prompt_len), np.int32)
+    ids_p[:, :t] = ids
+    mask_p = np.zeros((b, prompt_len), bool)
+    mask_p[:, :t] = mask
+    capacity = bucket_length(prompt_len + max_new_tokens)
+    prefill, step = _compiled(model, capacity, sampler, eos, pad_id)
+
+    logits, cache = prefill(model.params, jnp.asarray(ids_p), jnp.asarray(mask_p))
+    positions = jnp.asarray(mask.sum(axis=1), jnp.int32)
+    done = jnp.zeros((b,), bool)
+    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+    out = []
+    for i in tqdm(range(max_new_tokens), desc="decode", unit="tok", disable=not progress):
+        tok, done, logits, cache = step(model.params, cache, logits, keys[i], done, positions + i,
+                                        jnp.int32(prompt_len + i))
+        out.append(tok)
+        if (i + 1) % _ALL_DONE_CHECK_EVERY == 0 and bool(done.all()):
+            break
+    new = np.stack([np.asarray(x) for x in out], axis=1)
+    if new.shape[1] < max_new_tokens:
+        new = np.pad(new, ((0, 0), (0, max_new_tokens - new.shape[1])), constant_values=pad_id)
+    return np.concatenate([ids, new], axis=1)
+
+
+def check_sampler(temperature: float, top_k: int | None, top_p: float | None, vocab: int) -> tuple:
+    """Validate sampling options; returns them as a hashable tuple."""
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None and not (isinstance(top_k, int) and 0 < top_k <= vocab):
+        raise ValueError(f"top_k must be an integer in [1, {vocab}], got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    return float(temperature), top_k, (None if top_p is None else float(top_p))
+
+
+def _compiled(model: Model, capacity: int, sampler: tuple, eos: tuple, pad_id: int):
+    """Jitted prefill and decode step for these static settings (cached on the model)."""
+    cache = model.__dict__.setdefault("_generate_fns", {})
+    key = (capacity, sampler, eos, pad_id)
+    if key not in cache:
+        cache[key] = (jax.jit(partial(_prefill, model, capacity)),
+                      jax.jit(partial(_decode_step, model, sampler, eos, pad_id), donate_argnums=(1,)))
+    return cache[key]

@@ -1,0 +1,61 @@
+"""`load`: one entry point for our checkpoints and HuggingFace model directories."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxlongctx.checkpoint import CheckpointError, is_checkpoint, load_module
+from jaxlongctx.model.model import Model
+
+_DTYPE_NAMES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32, "float32": jnp.float32}
+
+
+def parse_dtype(dtype: Any) -> jnp.dtype | None:
+    """Accept 'bf16'/'fp32'/jnp dtypes/None; anything else is a ValueError."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"unsupported dtype {dtype!r} (choose bf16 or fp32)")
+        return jnp.dtype(_DTYPE_NAMES[dtype])
+    d = jnp.dtype(dtype)
+    if d not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"unsupported dtype {d} (choose bf16 or fp32)")
+    return d
+
+
+def load_tokenizer(directory: str | Path) -> Any:
+    """The `tokenizers` tokenizer in `directory/tokenizer.json`, or None when there is none."""
+    f = Path(directory) / "tokenizer.json"
+    if not f.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(f))
+
+
+def load(path: str | Path, dtype: Any = None) -> Model:
+    """Load a model from our checkpoint or a HF model directory (converted on the fly).
+
+    `dtype` ('bf16' | 'fp32' | None = as stored) casts the parameters.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such model directory")
+    target = parse_dtype(dtype)
+    if is_checkpoint(path):
+        module = load_module(path, target)
+    elif (path / "config.json").exists():
+        from convert.hf_llama import convert_hf_to_ckpt  # noqa: PLC0415
+
+        with tempfile.TemporaryDirectory(prefix="jaxlongctx-convert-") as tmp:
+            ckpt = convert_hf_to_ckpt(path, Path(tmp) / "ckpt", progress=False)
+            module = load_module(ckpt, target)
+    else:
+        raise CheckpointError(f"{path}: neither a jaxlongctx checkpoint nor a HF model directory (no config.json)")
+    return Model(module, tokenizer=load_tokenizer(path))
+

@@ -1,0 +1,100 @@
+"""The Llama-family decoder: embedding, stacked layers run by `jax.lax.scan`, final norm and head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.model.attention import attention, causal_prefill_attention
+from jaxlongctx.model.layers import DecoderLayer, rms_norm, stacked_layers
+from jaxlongctx.model.rope import inverse_frequencies, rope_tables
+
+
+class Llama(nnx.Module):
+    """Parameters of a Llama-family model; per-layer parameters carry a leading axis `[L, ...]`."""
+
+    def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Param((0.02 * jax.random.normal(
+            rngs.params(), (config.vocab_size, config.hidden_size), jnp.float32)).astype(dtype))
+        self.layers = stacked_layers(config, dtype=dtype, rngs=rngs)
+        self.final_norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param((0.02 * jax.random.normal(
+                rngs.params(), (config.hidden_size, config.vocab_size), jnp.float32)).astype(dtype))
+
+    def embed_ids(self, ids: jnp.ndarray) -> jnp.ndarray:
+        """Token embeddings `[B, T, D]` for ids `[B, T]`."""
+        return jnp.take(self.embed[...], ids, axis=0)
+
+    def head(self, h: jnp.ndarray) -> jnp.ndarray:
+        """Final norm and LM head: `[B, T, D]` -> float32 logits `[B, T, V]`."""
+        x = rms_norm(h, self.final_norm[...], self.config.rms_norm_eps)
+        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
+
+    def rope(self, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """cos/sin tables `[B, T, hd]` for positions `[B, T]`."""
+        return rope_tables(positions, inverse_frequencies(self.config))
+
+    def scan_layers(self, body, carry, xs=None):
+        """Run `body(layer, carry, x) -> (carry, y)` over the stacked layers with `jax.lax.scan`."""
+        graphdef, state = nnx.split(self.layers)
+
+        def step(c, per_layer):
+            layer_state, x = per_layer
+            return body(nnx.merge(graphdef, layer_state), c, x)
+
+        return jax.lax.scan(step, carry, (state, xs))
+
+
+def positions_from_mask(mask: jnp.ndarray) -> jnp.ndarray:
+    """RoPE positions `[B, T]` that count only real tokens (HF convention; pads get position 0)."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def forward_hidden(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray,
+                   collect_kv: bool = False):
+    """Full causal forward; returns hidden states `[B, T, D]` and, if asked, per-layer post-RoPE
+    k/v `[L, B, T, K, hd]` (for filling a cache)."""
+    cos, sin = model.rope(positions_from_mask(mask))
+
+    def body(layer: DecoderLayer, h, _):
+        q, k, v = layer.project_qkv(h, cos, sin)
+        h = layer.finish(h, causal_prefill_attention(q, k, v, mask))
+        return h, ((k, v) if collect_kv else None)
+
+    h, kv = model.scan_layers(body, model.embed_ids(ids))
+    return (h, kv) if collect_kv else h
+
+
+def forward(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+    """Logits `[B, T, V]` (float32) for ids `[B, T]` with padding mask `[B, T]` (True = real token)."""
+    return model.head(forward_hidden(model, ids, mask))
+
+
+def decode_hidden(model: Llama, ids: jnp.ndarray, positions: jnp.ndarray, slot: jnp.ndarray,
+                  cache_k: jnp.ndarray, cache_v: jnp.ndarray, key_valid: jnp.ndarray):
+    """One decode step over a static cache.
+
+    ids `[B, 1]`, positions `[B, 1]` (RoPE), slot: scalar int (cache index the new token is written
+    to, the same for every row), cache_k/v `[L, B, S, K, hd]`, key_valid `[B, S]` (already True at
+    `slot`) -> hidden `[B, 1, D]` and the updated caches. The cache is a scan carry updated in place.
+    """
+    cos, sin = model.rope(positions)
+    b = ids.shape[0]
+
+    def body(layer: DecoderLayer, carry, layer_index):
+        h, ck, cv = carry
+        q, k, v = layer.project_qkv(h, cos, sin)
+        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (layer_index, 0, slot, 0, 0))
+        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (layer_index, 0, slot, 0, 0))
+        q_slot = jnp.full((b, 1), slot, jnp.int32)
+        out = attention(q, ck[layer_index], cv[layer_index], q_slot, key_valid)
+        return (layer.finish(h, out), ck, cv), None
+
+    (h, cache_k, cache_v), _ = model.scan_layers(
+        body, (model.embed_ids(ids), cache_k, cache_v), jnp.arange(model.config.num_layers))
+    return h, cache_k, cache_v

@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny HF oracle models saved once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hf_oracle import FAMILIES, make_hf_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_family_dir(tmp_path_factory):
+    """Factory: family name -> (HF dir, torch model), built once per session."""
+    made: dict[str, tuple[Path, object]] = {}
+
+    def get(family: str):
+        if family not in made:
+            out = tmp_path_factory.mktemp(family) / "hf"
+            made[family] = (out, make_hf_model(family, out))
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request) -> str:
+    """Every supported model family."""
+    return request.param

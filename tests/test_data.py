@@ -1,0 +1,238 @@
+"""Tests of the data side: corpus splits, tokenizer asset, haystack retrieval samples."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxlongctx.data import corpus, haystack, tokenizer
+from jaxlongctx.data.corpus import SPLITS, load_corpus
+from jaxlongctx.data.haystack import CODE_DIGITS, make_batch, make_sample
+from jaxlongctx.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_default_tokenizer
+
+MANIFEST = json.loads(tokenizer.MANIFEST_PATH.read_text(encoding="utf-8"))
+same_python = pytest.mark.skipif(
+    sys.version.split()[0] != MANIFEST["python_version"],
+    reason=f"assets were built with Python {MANIFEST['python_version']}")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_default_tokenizer()
+
+
+# ----------------------------------------------------------------------------- corpus
+
+def test_modules_list_is_sorted_and_unique():
+    assert list(corpus.MODULES) == sorted(set(corpus.MODULES))
+
+
+def test_splits_are_disjoint_and_nonempty():
+    docs = load_corpus()
+    ids = corpus.document_identities()
+    assert set(docs) == set(SPLITS)
+    for split in SPLITS:
+        assert docs[split] and len(docs[split]) == len(ids[split])
+        assert all(corpus.split_of(identity) == split for identity in ids[split])
+    for a, b in [("train", "validation"), ("train", "calibration"), ("validation", "calibration")]:
+        assert not set(docs[a]) & set(docs[b])
+        assert not set(ids[a]) & set(ids[b])
+
+
+def test_corpus_is_cached_and_a_copy():
+    first = load_corpus()
+    first["train"].clear()
+    assert load_corpus()["train"]
+
+
+def test_documents_are_normalised():
+    for doc in load_corpus()["validation"]:
+        assert doc == doc.strip() and "\t" not in doc and "\n\n\n" not in doc
+        assert all(line == line.rstrip() for line in doc.splitlines())
+
+
+def test_split_by_hash_is_stable():
+    # sha1("json.dumps") % 100 etc. never changes: the rule is the contract, not the corpus.
+    for identity in ["json.dumps", "pydoc_data.topics:if", "typing.TypeVar"]:
+        bucket = int(hashlib.sha1(identity.encode()).hexdigest(), 16) % 100
+        expected = "train" if bucket < 90 else "validation" if bucket < 95 else "calibration"
+        assert corpus.split_of(identity) == expected
+
+
+@same_python
+def test_corpus_matches_manifest():
+    stats = corpus.corpus_stats()
+    assert stats["modules"] == MANIFEST["modules"]
+    for split in SPLITS:
+        assert corpus.split_sha1(split) == MANIFEST["splits"][split]["sha1"]
+        assert stats["splits"][split]["characters"] == MANIFEST["splits"][split]["characters"]
+
+
+def test_split_sha1_rejects_unknown_split():
+    with pytest.raises(ValueError, match="unknown split"):
+        corpus.split_sha1("test")
+
+
+# -------------------------------------------------------------------------- tokenizer
+
+def test_special_tokens_and_vocab(tok):
+    assert tok.get_vocab_size() == 4096
+    assert [tok.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>")] == [PAD_ID, BOS_ID, EOS_ID]
+
+
+@pytest.mark.parametrize("text", [
+    "def f(x):\n\treturn x ** 2  # trailing  ",
+    "naïve café, Straße, 東京, Ωμέγα, emoji 🤖🎉, zero\u200bwidth, \r\n crlf",
+    "The code of the blue box is 0471.",
+])
+def test_tokenizer_round_trips(tok, text):
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
+
+
+def test_digits_are_single_tokens(tok):
+    enc = tok.encode(" is 4711 and 000099", add_special_tokens=False)
+    assert enc.tokens[1:6] == ["Ġ", "4", "7", "1", "1"]
+    assert enc.tokens[-6:] == list("000099")
+
+
+@same_python
+def test_retraining_reproduces_the_asset():
+    retrained = tokenizer.train_tokenizer(load_corpus()["train"])
+    assert retrained.to_str(pretty=True) == tokenizer.TOKENIZER_PATH.read_text(encoding="utf-8")
+
+
+def test_train_tokenizer_rejects_tiny_vocab():
+    with pytest.raises(ValueError, match="vocab_size"):
+        tokenizer.train_tokenizer(["abc"], vocab_size=100)
+
+
+def test_encode_corpus(tok):
+    ids = tokenizer.encode_corpus("validation")
+    assert ids.dtype == np.int32 and not ids.flags.writeable
+    assert ids is tokenizer.encode_corpus("validation")
+    docs = load_corpus()["validation"]
+    assert int((ids == EOS_ID).sum()) == len(docs) - 1
+    first = ids[: int(np.argmax(ids == EOS_ID))]
+    assert tok.decode(first.tolist()) == docs[0]
+    with pytest.raises(ValueError, match="unknown split"):
+        tokenizer.encode_corpus("test")
+
+
+# --------------------------------------------------------------------------- haystack
+
+def _check_sample(sample: haystack.HaystackSample, tok, length: int, num_facts: int) -> None:
+    """Exact length, facts decodable at their positions, answer right after the prompt."""
+    assert sample.ids.dtype == np.int32 and sample.ids.shape == (length,)
+    assert sample.ids[0] == BOS_ID
+    assert len(sample.facts) == len(sample.fact_positions) == num_facts
+    assert np.all(np.diff(sample.fact_positions) >= 0)
+    for fact, pos in zip(sample.facts, sample.fact_positions):
+        n = len(tok.encode(fact, add_special_tokens=False).ids)
+        assert tok.decode(sample.ids[pos:pos + n].tolist()) == fact
+    target = sample.facts[sample.target_fact]
+    assert target.endswith(f" is {sample.answer}.")
+    subject = target.removeprefix(" The code of the ").split(" is ")[0]
+    assert sample.question == (f"\nWhat is the code of the {subject}? "
+                               f"The code of the {subject} is ")
+    q = len(tok.encode(sample.question, add_special_tokens=False).ids)
+    assert tok.decode(sample.ids[-q:].tolist()) == sample.question
+    assert sample.answer_ids.shape == (CODE_DIGITS,)
+    assert tok.decode(sample.answer_ids.tolist()) == sample.answer
+    # The answer tokens inside the target fact are exactly the tokens to predict.
+    prefix = len(tok.encode(target.split(" is ")[0] + " is ", add_special_tokens=False).ids)
+    start = sample.fact_positions[sample.target_fact] + prefix
+    np.testing.assert_array_equal(sample.ids[start:start + CODE_DIGITS], sample.answer_ids)
+    # Re-tokenizing the fact on its own gives the spliced tokens.
+    fact_ids = tok.encode(target, add_special_tokens=False).ids
+    pos = sample.fact_positions[sample.target_fact]
+    assert sample.ids[pos:pos + len(fact_ids)].tolist() == fact_ids
+
+
+@pytest.mark.parametrize("length,num_facts", [(512, 4), (1000, 1), (4096, 8), (2048, 16)])
+def test_sample_structure(tok, length, num_facts):
+    for seed in range(3):
+        _check_sample(make_sample(seed, length, tok, num_facts=num_facts), tok, length, num_facts)
+
+
+def test_sample_is_deterministic(tok):
+    a, b = make_sample(7, 2048, tok), make_sample(np.random.default_rng(7), 2048, tok)
+    np.testing.assert_array_equal(a.ids, b.ids)
+    assert (a.facts, a.target_fact, a.answer) == (b.facts, b.target_fact, b.answer)
+    assert not np.array_equal(a.ids, make_sample(8, 2048, tok).ids)
+
+
+def test_subjects_unique_within_sample(tok):
+    sample = make_sample(3, 4096, tok, num_facts=30)
+    subjects = [f.split(" is ")[0] for f in sample.facts]
+    assert len(set(subjects)) == 30
+
+
+def test_facts_at_different_depths(tok):
+    depths = []
+    for seed in range(40):
+        s = make_sample(seed, 4096, tok)
+        depths.append(s.fact_positions[s.target_fact] / 4096)
+    assert min(depths) < 0.2 and max(depths) > 0.8
+    for depth in (0.0, 0.5, 1.0):
+        s = make_sample(1, 8192, tok, target_depth=depth)
+        _check_sample(s, tok, 8192, 4)
+        assert abs(s.fact_positions[s.target_fact] / 8192 - depth) < 0.1
+
+
+def test_minimum_length(tok):
+    # Facts and question depend only on the seed, so zero filler is reachable exactly.
+    probe = make_sample(5, 512, tok)
+    overhead = 1 + sum(len(tok.encode(text, add_special_tokens=False).ids)
+                       for text in (*probe.facts, probe.question))
+    _check_sample(make_sample(5, overhead, tok), tok, overhead, 4)
+    with pytest.raises(ValueError, match="too small"):
+        make_sample(5, overhead - 1, tok)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_facts": 0}, "num_facts"), ({"num_facts": 1000}, "num_facts"),
+    ({"target_depth": 1.5}, "target_depth"), ({"length_tokens": 30}, "too small"),
+])
+def test_bad_arguments(tok, kwargs, match):
+    args = {"length_tokens": 512} | kwargs
+    with pytest.raises(ValueError, match=match):
+        make_sample(0, tokenizer=tok, **args)
+
+
+def test_64k_sample_is_fast(tok):
+    make_sample(0, 1024, tok)  # warm the per-tokenizer caches
+    start = time.perf_counter()
+    sample = make_sample(11, 65536, tok, num_facts=8)
+    assert time.perf_counter() - start < 0.5
+    _check_sample(sample, tok, 65536, 8)
+
+
+def test_batch(tok):
+    batch = make_batch(haystack.train_seed(3), 4, 1024, tok)
+    assert batch["ids"].shape == (4, 1024) and batch["ids"].dtype == np.int32
+    assert batch["answer_ids"].shape == (4, CODE_DIGITS)
+    assert batch["fact_positions"].shape == (4, 4) and batch["target_fact"].shape == (4,)
+    single = make_sample(np.random.default_rng([3, 2]), 1024, tok)
+    np.testing.assert_array_equal(batch["ids"][2], single.ids)
+    again = make_batch(3, 4, 1024, tok)
+    assert all(np.array_equal(batch[k], again[k]) for k in batch)
+    with pytest.raises(ValueError, match="batch"):
+        make_batch(0, 0, 1024, tok)
+
+
+def test_train_and_eval_seeds_are_disjoint(tok):
+    assert haystack.train_seed(haystack.SEED_SPACE - 1) < haystack.eval_seed(0)
+    assert haystack.eval_seed(0) == haystack.EVAL_SEED_BASE
+    for bad in (-1, haystack.SEED_SPACE):
+        with pytest.raises(ValueError, match="seed index"):
+            haystack.train_seed(bad)
+        with pytest.raises(ValueError, match="seed index"):
+            haystack.eval_seed(bad)
+    train = make_batch(haystack.train_seed(0), 2, 512, tok)
+    held_out = make_batch(haystack.eval_seed(0), 2, 512, tok)
+    assert not np.array_equal(train["ids"], held_out["ids"])
