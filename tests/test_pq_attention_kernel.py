@@ -1,0 +1,132 @@
+"""PQ decode attention: Pallas interpret mode and the XLA path against the dequantize-then-attend oracle."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import pq_decode_attention
+from pallas_kernels.pq_attention import lookup_tables, merge_partials
+from pallas_kernels.pq_attention_kernel import PQBlocks, pq_coded_partials_pallas
+from pallas_kernels.pq_attention_reference import pq_decode_attention_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+CENTROIDS = 256
+
+
+def _case(*, batch=3, kv_heads=2, group=4, head_dim=64, sub_dim=2, capacity=50, window=8,
+          lengths=(0, 23, 50), res_lengths=(1, 8, 3), per_head=False, dtype=jnp.float32, seed=0):
+    """Random PQ cache + query; returns the positional arguments of pq_decode_attention (scale last)."""
+    rng = np.random.default_rng(seed)
+    subspaces = head_dim // sub_dim
+    cent_shape = (kv_heads, subspaces, CENTROIDS, sub_dim) if per_head else (subspaces, CENTROIDS, sub_dim)
+    arr = lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)  # noqa: E731
+    codes = lambda: jnp.asarray(rng.integers(0, CENTROIDS, (batch, kv_heads, capacity, subspaces)), jnp.uint8)  # noqa: E731
+    return (arr((batch, kv_heads * group, head_dim)), codes(), codes(), arr(cent_shape), arr(cent_shape),
+            jnp.asarray(lengths, jnp.int32), arr((batch, kv_heads, window, head_dim)),
+            arr((batch, kv_heads, window, head_dim)), jnp.asarray(res_lengths, jnp.int32), head_dim ** -0.5)
+
+
+def _run(args, backend):
+    fn = jax.jit(lambda *a: pq_decode_attention(*a, args[-1], backend=backend))
+    return fn(*args[:-1])
+
+
+_oracle = jax.jit(pq_decode_attention_reference)
+
+
+def _check(args, backend, tol=2e-5):
+    got, want = _run(args, backend), _oracle(*args)
+    assert got.shape == want.shape and got.dtype == args[0].dtype
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+
+
+SWEEP = [  # (head_dim, sub_dim, group, per_head): every value of each axis appears at least once
+    (64, 2, 1, False),
+    (64, 4, 4, True),
+    (128, 2, 8, False),
+    (128, 4, 4, False),
+    (64, 2, 8, True),
+]
+
+
+@pytest.mark.parametrize("head_dim, sub_dim, group, per_head", SWEEP)
+def test_interpret_matches_oracle(head_dim, sub_dim, group, per_head):
+    # batch 3 with mixed lengths: empty, not a multiple of any tile, full; residual 1, R and in between
+    _check(_case(head_dim=head_dim, sub_dim=sub_dim, group=group, per_head=per_head, kv_heads=1 + per_head),
+           "interpret")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim, sub_dim, group, per_head",
+                         list(itertools.product([64, 128], [2, 4], [1, 4, 8], [False, True])))
+def test_interpret_matches_oracle_full_sweep(head_dim, sub_dim, group, per_head):
+    _check(_case(head_dim=head_dim, sub_dim=sub_dim, group=group, per_head=per_head, capacity=77,
+                 lengths=(77, 0, 45), res_lengths=(8, 1, 0)), "interpret")
+
+
+@pytest.mark.parametrize("head_dim, sub_dim, group, per_head", SWEEP)
+def test_xla_path_matches_oracle(head_dim, sub_dim, group, per_head):
+    _check(_case(head_dim=head_dim, sub_dim=sub_dim, group=group, per_head=per_head), "xla")
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_edge_lengths(backend):
+    # no coded tokens but a full window; everything empty -> zeros (no NaN); non-power-of-two group
+    _check(_case(lengths=(0, 0, 0), res_lengths=(8, 8, 8)), backend)
+    _check(_case(group=3, lengths=(50, 7, 1), res_lengths=(0, 0, 8)), backend)
+    empty = _case(lengths=(0, 0, 0), res_lengths=(0, 0, 0))
+    np.testing.assert_array_equal(_run(empty, backend), 0.0)
+    _check(_case(capacity=0, lengths=(0, 0, 0)), backend)  # code buffer not allocated yet
+
+
+def test_interpret_bf16_inputs():
+    _check(_case(dtype=jnp.bfloat16, per_head=True, kv_heads=2), "interpret", tol=2e-2)
+
+
+def test_split_k_tiling_and_merge():
+    """Several tiles per split and several splits, with lengths ending mid-tile and mid-split."""
+    q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, _, scale = _case(
+        capacity=100, lengths=(100, 37, 64), per_head=True)
+    empty = jnp.zeros((3,), jnp.int32)
+    want = pq_decode_attention_reference(q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, empty, scale)
+    lut = lookup_tables(q, k_cent, 2, 4, scale)  # [B K G M C]
+    outs, lses = pq_coded_partials_pallas(lut, k_codes, v_codes, v_cent, lengths, interpret=True,
+                                          blocks=PQBlocks(tokens=16, tiles_per_split=2, num_splits=4, num_warps=4))
+    got = merge_partials(outs.reshape(*outs.shape[:4], 64), lses).reshape(want.shape)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_bad_backend_and_inputs():
+    args = _case()
+    with pytest.raises(ValueError, match="'cuda'"):
+        pq_decode_attention(*args, backend="cuda")
+    q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale = args
+    bad = {
+        "k_codes must be uint8": (q, k_codes.astype(jnp.int32), v_codes, k_cent, v_cent, lengths),
+        "multiple of kv heads": (q[:, :7], k_codes, v_codes, k_cent, v_cent, lengths),
+        "v_cent must be": (q, k_codes, v_codes, k_cent, v_cent[:, :, :1], lengths),
+        "lengths must be an integer vector": (q, k_codes, v_codes, k_cent, v_cent, lengths[:2]),
+    }
+    for match, head in bad.items():
+        with pytest.raises(ValueError, match=match):
+            pq_decode_attention(*head, k_res, v_res, res_lengths, scale, backend="xla")
+    q6, kc6, vc6, kcent6, vcent6, *rest = _case(head_dim=48, sub_dim=2)  # M = 24: not a power of two
+    with pytest.raises(ValueError, match="power-of-two subspaces M"):
+        pq_decode_attention(q6, kc6, vc6, kcent6, vcent6, *rest, backend="interpret")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("head_dim, sub_dim, group, per_head",
+                         list(itertools.product([64, 128], [2, 4], [1, 4, 8], [False, True])))
+def test_gpu_pallas_matches_oracle(head_dim, sub_dim, group, per_head):
+    _check(_case(head_dim=head_dim, sub_dim=sub_dim, group=group, per_head=per_head, kv_heads=2,
+                 capacity=3000, lengths=(3000, 0, 1234), window=128, res_lengths=(128, 1, 77)), "pallas",
+           tol=1e-4)
