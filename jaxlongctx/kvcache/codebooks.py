@@ -1,0 +1,339 @@
+"""PQ codebooks for the KV cache: training, per-layer access, atomic save/load, byte accounting."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlongctx.kvcache.kmeans import Init, kmeans
+
+Granularity = Literal["shared", "layer", "layer_head"]
+GRANULARITIES: tuple[str, ...] = ("shared", "layer", "layer_head")
+MAX_BITS = 8  # codes are stored as uint8, one per subspace
+FORMAT_VERSION = 1
+_META_FILE = "codebooks.json"
+_ARRAYS_DIR = "arrays"
+
+
+def _check_bits(bits: int) -> None:
+    """Reject code widths that do not fit uint8 codes."""
+    if not 1 <= bits <= MAX_BITS:
+        raise ValueError(
+            f"bits must be in [1, {MAX_BITS}], got {bits}: codes are stored as uint8, so at most "
+            f"2**{MAX_BITS} = 256 centroids per subspace (wider codes are not supported)"
+        )
+
+
+def _check_ds(ds: int, head_dim: int) -> None:
+    """Reject subspace sizes that do not tile the head dim."""
+    if ds < 1 or head_dim % ds:
+        raise ValueError(f"ds must be a positive divisor of head_dim={head_dim}, got {ds}")
+
+
+def centroid_shape(granularity: str, num_layers: int, num_kv_heads: int, head_dim: int, ds: int, bits: int) -> tuple[int, ...]:
+    """Shape of the key (or value) centroid array for a granularity."""
+    base = (head_dim // ds, 2**bits, ds)  # [M, C, ds]
+    if granularity == "shared":
+        return base
+    if granularity == "layer":
+        return (num_layers, *base)
+    if granularity == "layer_head":
+        return (num_layers, num_kv_heads, *base)
+    raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Codebooks:
+    """Key and value PQ centroids (float32) and how they map onto layers and kv heads.
+
+    key_centroids / value_centroids by granularity:
+      "shared"     [M, C, ds]        one codebook for every layer and head (the MILLION reference)
+      "layer"      [L, M, C, ds]
+      "layer_head" [L, K, M, C, ds]
+    with M = head_dim // ds and C = 2**bits. metadata holds JSON scalars, including
+    "model_fingerprint". Arrays are pytree leaves; everything else is static.
+    """
+
+    key_centroids: jax.Array
+    value_centroids: jax.Array
+    granularity: Granularity
+    ds: int
+    bits: int
+    head_dim: int
+    num_layers: int
+    num_kv_heads: int
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits)
+        _check_ds(self.ds, self.head_dim)
+        for k, v in self.metadata.items():
+            if not isinstance(k, str) or not isinstance(v, (str, int, float, bool)):
+                raise ValueError(f"metadata must map str to str/int/float/bool (JSON scalars), got {k!r}: {v!r}")
+        want = centroid_shape(self.granularity, self.num_layers, self.num_kv_heads, self.head_dim, self.ds, self.bits)
+        for name in ("key_centroids", "value_centroids"):
+            got = tuple(getattr(self, name).shape)
+            if got != want:
+                raise ValueError(f"{name} has shape {got}, expected {want} for granularity={self.granularity!r}")
+
+    @property
+    def num_subspaces(self) -> int:
+        """M = head_dim // ds."""
+        return self.head_dim // self.ds
+
+    @property
+    def num_centroids(self) -> int:
+        """C = 2**bits."""
+        return 2**self.bits
+
+    @property
+    def model_fingerprint(self) -> str:
+        """The fingerprint of the model these codebooks were trained for ("" if unknown)."""
+        return str(self.metadata.get("model_fingerprint", ""))
+
+    def for_layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """(key, value) centroids of one layer: [M, C, ds] (shared/layer) or [K, M, C, ds] (layer_head)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        if self.granularity == "shared":
+            return self.key_centroids, self.value_centroids
+        return self.key_centroids[layer], self.value_centroids[layer]
+
+    def stacked(self) -> tuple[jax.Array, jax.Array]:
+        """(key, value) centroids with a leading layer axis for lax.scan: [L, M, C, ds] or [L, K, M, C, ds]."""
+        if self.granularity == "shared":
+            shape = (self.num_layers, *self.key_centroids.shape)
+            return jnp.broadcast_to(self.key_centroids, shape), jnp.broadcast_to(self.value_centroids, shape)
+        return self.key_centroids, self.value_centroids
+
+    def tree_flatten(self) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, ...]]:
+        """Pytree protocol: arrays are leaves, the rest (with metadata as sorted items) is static."""
+        static = (self.granularity, self.ds, self.bits, self.head_dim, self.num_layers, self.num_kv_heads)
+        return (self.key_centroids, self.value_centroids), (*static, tuple(sorted(self.metadata.items())))
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[Any, ...], leaves: tuple[jax.Array, jax.Array]) -> Codebooks:
+        """Pytree protocol (skips validation: leaves may be tracers or placeholders)."""
+        obj = object.__new__(cls)
+        names = ("granularity", "ds", "bits", "head_dim", "num_layers", "num_kv_heads")
+        for name, value in zip(names, aux[:-1]):
+            object.__setattr__(obj, name, value)
+        object.__setattr__(obj, "metadata", dict(aux[-1]))
+        object.__setattr__(obj, "key_centroids", leaves[0])
+        object.__setattr__(obj, "value_centroids", leaves[1])
+        return obj
+
+
+def _problems(x: jax.Array, granularity: str, ds: int) -> jax.Array:
+    """Calibration vectors x[L, N, K, D] -> k-means problems [P, n, ds], P ordered as the centroid shape."""
+    l, n, kv, d = x.shape
+    m = d // ds
+    sub = x.reshape(l, n, kv, m, ds)
+    if granularity == "shared":
+        return sub.transpose(3, 0, 1, 2, 4).reshape(m, l * n * kv, ds)  # P = M
+    if granularity == "layer":
+        return sub.transpose(0, 3, 1, 2, 4).reshape(l * m, n * kv, ds)  # P = L*M
+    return sub.transpose(0, 2, 3, 1, 4).reshape(l * kv * m, n, ds)  # P = L*K*M
+
+
+def train_codebooks(
+    keys: jax.Array,
+    values: jax.Array,
+    ds: int,
+    bits: int,
+    granularity: Granularity = "shared",
+    iters: int = 25,
+    *,
+    key: jax.Array,
+    init: Init = "random",
+    progress: bool = True,
+    model_fingerprint: str = "",
+) -> Codebooks:
+    """k-means codebooks from calibration keys (post-RoPE) and values, both [L, N, K, D]."""
+    keys, values = jnp.asarray(keys), jnp.asarray(values)
+    if keys.ndim != 4:
+        raise ValueError(f"keys must have shape [L, N, K, D], got {keys.shape}")
+    if values.shape != keys.shape:
+        raise ValueError(f"values shape {values.shape} must equal keys shape {keys.shape}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    _check_bits(bits)
+    num_layers, _, num_kv_heads, head_dim = keys.shape
+    _check_ds(ds, head_dim)
+    shape = centroid_shape(granularity, num_layers, num_kv_heads, head_dim, ds, bits)
+    problems = jnp.concatenate([_problems(keys, granularity, ds), _problems(values, granularity, ds)])
+    cent, history = kmeans(problems, 2**bits, iters, key=key, init=init, progress=progress)
+    half = cent.shape[0] // 2
+    final = np.asarray(history[:, -1])
+    metadata = {
+        "model_fingerprint": model_fingerprint,
+        "iters": iters,
+        "init": init,
+        "calibration_samples_per_layer": int(keys.shape[1]),
+        "key_mse": float(final[:half].mean()),  # mean squared error per subspace, calibration set
+        "value_mse": float(final[half:].mean()),
+    }
+    return Codebooks(
+        key_centroids=cent[:half].reshape(shape),
+        value_centroids=cent[half:].reshape(shape),
+        granularity=granularity,
+        ds=ds,
+        bits=bits,
+        head_dim=head_dim,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        metadata=metadata,
+    )
+
+
+def _static_fields(cb: Codebooks) -> dict[str, Any]:
+    """The JSON-serialisable description written next to the arrays."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "granularity": cb.granularity,
+        "ds": cb.ds,
+        "bits": cb.bits,
+        "head_dim": cb.head_dim,
+        "num_layers": cb.num_layers,
+        "num_kv_heads": cb.num_kv_heads,
+        "centroid_shape": list(cb.key_centroids.shape),
+        "metadata": cb.metadata,
+    }
+
+
+def save_codebooks(cb: Codebooks, path: str | Path, *, overwrite: bool = False) -> Path:
+    """Write codebooks to directory `path` (orbax arrays + codebooks.json), atomically via a temp dir."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    if path.exists() and not overwrite:
+        raise ValueError(f"path {path} already exists (pass overwrite=True to replace it)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+    try:
+        tmp.mkdir()
+        arrays = {"key_centroids": np.asarray(cb.key_centroids), "value_centroids": np.asarray(cb.value_centroids)}
+        with ocp.PyTreeCheckpointer() as ckptr:
+            ckptr.save(tmp / _ARRAYS_DIR, arrays)
+        (tmp / _META_FILE).write_text(json.dumps(_static_fields(cb), indent=2) + "\n")
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return path
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """Parse and validate codebooks.json."""
+    meta_file = path / _META_FILE
+    if not meta_file.is_file():
+        raise ValueError(f"codebooks at {path}: missing {_META_FILE}")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"codebooks at {path}: {_META_FILE} is corrupt ({e})") from e
+    required = ("format_version", "granularity", "ds", "bits", "head_dim", "num_layers", "num_kv_heads", "metadata")
+    missing = [f for f in required if not isinstance(meta, dict) or f not in meta]
+    if missing:
+        raise ValueError(f"codebooks at {path}: {_META_FILE} lacks fields {missing}")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"codebooks at {path}: format_version {meta['format_version']}, expected {FORMAT_VERSION}")
+    return meta
+
+
+def load_codebooks(path: str | Path, expected_fingerprint: str | None = None) -> Codebooks:
+    """Read codebooks written by save_codebooks; ValueError on fingerprint mismatch or bad files."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise ValueError(f"codebooks directory {path} does not exist")
+    meta = _read_meta(path)
+    found = str(meta["metadata"].get("model_fingerprint", ""))
+    if expected_fingerprint is not None and found != expected_fingerprint:
+        raise ValueError(
+            f"codebooks at {path} were made for model {found!r}, not {expected_fingerprint!r}"
+        )
+    if not (path / _ARRAYS_DIR).is_dir():
+        raise ValueError(f"codebooks at {path}: missing {_ARRAYS_DIR}/ directory")
+    try:
+        with ocp.PyTreeCheckpointer() as ckptr:
+            arrays = ckptr.restore(path / _ARRAYS_DIR)
+    except Exception as e:  # orbax/tensorstore raise many types for damaged files
+        raise ValueError(f"codebooks at {path}: cannot read {_ARRAYS_DIR}/ ({type(e).__name__}: {e})") from e
+    if not isinstance(arrays, dict) or set(arrays) != {"key_centroids", "value_centroids"}:
+        raise ValueError(f"codebooks at {path}: {_ARRAYS_DIR}/ must hold key_centroids and value_centroids")
+    try:
+        return Codebooks(
+            key_centroids=jnp.asarray(arrays["key_centroids"], jnp.float32),
+            value_centroids=jnp.asarray(arrays["value_centroids"], jnp.float32),
+            granularity=meta["granularity"],
+            ds=int(meta["ds"]),
+            bits=int(meta["bits"]),
+            head_dim=int(meta["head_dim"]),
+            num_layers=int(meta["num_layers"]),
+            num_kv_heads=int(meta["num_kv_heads"]),
+            metadata=dict(meta["metadata"]),
+        )
+    except ValueError as e:
+        raise ValueError(f"codebooks at {path} do not match {_META_FILE}: {e}") from e
+
+
+def cache_bytes(
+    num_tokens: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    ds: int,
+    bits: int,
+    window: int,
+    *,
+    granularity: Granularity = "shared",
+    batch: int = 1,
+) -> dict[str, int | float]:
+    """Exact bytes of a PQ KV cache (uint8 codes + bf16 window + f32 codebooks) vs a dense bf16 cache.
+
+    `window` of the num_tokens tokens are held exactly in bf16, the rest as one uint8 code per
+    subspace (a byte per code even when bits < 8). Codebooks are counted once (not per batch row).
+    """
+    for name, value in (("num_tokens", num_tokens), ("window", window)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("batch", batch)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    _check_bits(bits)
+    _check_ds(ds, head_dim)
+    m = head_dim // ds
+    exact = min(window, num_tokens)
+    coded = num_tokens - exact
+    kv_layers_heads = 2 * num_layers * num_kv_heads * batch  # K and V
+    codes = kv_layers_heads * coded * m
+    window_bytes = kv_layers_heads * exact * head_dim * 2
+    codebook = 2 * int(np.prod(centroid_shape(granularity, num_layers, num_kv_heads, head_dim, ds, bits))) * 4
+    total = codes + window_bytes + codebook
+    dense = kv_layers_heads * num_tokens * head_dim * 2
+    return {
+        "codes_bytes": codes,
+        "window_bytes": window_bytes,
+        "codebook_bytes": codebook,
+        "total_bytes": total,
+        "dense_bf16_bytes": dense,
+        "compression": dense / total if total else float("inf"),
+        "bits_per_element": 8 * total / (kv_layers_heads * num_tokens * head_dim) if num_tokens else float("inf"),
+    }

@@ -1,0 +1,165 @@
+"""Batched Lloyd k-means (faiss style) over many independent problems at once, in JAX."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+# Relative size of the perturbation used when a large cluster is split to fill an empty one.
+SPLIT_EPS = 1.0 / 1024
+
+Init = Literal["random", "kmeans++"]
+
+
+def _segment_sum(vals: jax.Array, ids: jax.Array, k: int) -> jax.Array:
+    """Per-problem segment sum: vals[P, n, ...] grouped by ids[P, n] into [P, k, ...]."""
+    return jax.vmap(lambda v, i: jax.ops.segment_sum(v, i, num_segments=k))(vals, ids)
+
+
+def _assign(x: jax.Array, cent: jax.Array) -> tuple[jax.Array, ...]:
+    """Nearest centroid of every point x[P, n, ds]: assignments [P, n], counts [P, k], sums [P, k, ds], SSE [P].
+
+    Distances are computed one centroid at a time (a loop over k keeping a running minimum), so
+    memory stays O(P * n) whatever k is; ties go to the lowest centroid index.
+    """
+    p, k, ds = cent.shape
+    coords = [x[..., j] for j in range(ds)]  # ds x [P, n]
+
+    def body(i, best):
+        best_d, best_i = best
+        ci = jax.lax.dynamic_index_in_dim(cent, i, axis=1, keepdims=False)  # [P, ds]
+        d = sum(jnp.square(coords[j] - ci[:, j, None]) for j in range(ds))  # [P, n]
+        closer = d < best_d
+        return jnp.where(closer, d, best_d), jnp.where(closer, i, best_i)
+
+    init = (jnp.full(x.shape[:2], jnp.inf, jnp.float32), jnp.zeros(x.shape[:2], jnp.int32))
+    best_d, assign = jax.lax.fori_loop(0, k, body, init)
+    counts = _segment_sum(jnp.ones(assign.shape, jnp.float32), assign, k)
+    sums = _segment_sum(x, assign, k)
+    return assign, counts, sums, jnp.sum(best_d, axis=-1)
+
+
+@jax.jit
+def _objective(x: jax.Array, cent: jax.Array) -> jax.Array:
+    """Mean squared distance of each problem's points x[P, n, ds] to their nearest centroid: [P]."""
+    return _assign(x, cent)[3] / x.shape[1]
+
+
+@jax.jit
+def _lloyd_step(x: jax.Array, cent: jax.Array, rms: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Assign, move centroids to their means, re-seed empty clusters by splitting large ones.
+
+    Returns (new centroids [P, k, ds], objective of the INPUT centroids [P]). The objective of
+    the new centroids is never larger (up to float rounding): nonempty clusters move to their
+    means; an empty cluster e takes a copy of a donor mean mu_d (donors: largest clusters
+    first) at mu_d + delta. The donor moves to mu_d - delta (faiss's symmetric split) only
+    when that provably lowers its cost, i.e. when n_d |delta|^2 < 2 sum_i |<x_i - mu_d, delta>|
+    over its points (and no donor serves two empty clusters); otherwise it stays at mu_d, so
+    the copy only adds an option.
+    """
+    p, k, ds = cent.shape
+    assign, counts, sums, sse = _assign(x, cent)
+    objective = sse / x.shape[1]
+    nonempty = counts > 0
+    means = jnp.where(nonempty[..., None], sums / jnp.maximum(counts, 1.0)[..., None], cent)
+    alternating = jnp.where(jnp.arange(ds) % 2 == 0, 1.0, -1.0)
+    delta = SPLIT_EPS * (jnp.abs(means) + rms[:, None, None]) * alternating  # [P, k, ds]
+    mu = jnp.take_along_axis(means, assign[..., None], axis=1)  # [P, n, ds]
+    dl = jnp.take_along_axis(delta, assign[..., None], axis=1)
+    s = _segment_sum(jnp.abs(jnp.sum((x - mu) * dl, axis=-1)), assign, k)  # [P, k] sum |<x - mu, delta>|
+    split_lowers_cost = counts * jnp.sum(jnp.square(delta), axis=-1) < 2.0 * s  # [P, k]
+
+    empty = ~nonempty
+    n_empty = jnp.sum(empty, axis=-1, keepdims=True)
+    n_nonempty = k - n_empty
+    by_size = jnp.argsort(-counts, axis=-1, stable=True)  # donors, largest first
+    empty_rank = jnp.cumsum(empty, axis=-1) - 1
+    donor = jnp.take_along_axis(by_size, empty_rank % jnp.maximum(n_nonempty, 1), axis=-1)  # [P, k]
+    copy = jnp.take_along_axis(means, donor[..., None], axis=1) + jnp.take_along_axis(delta, donor[..., None], axis=1)
+    new = jnp.where(empty[..., None], copy, means)
+    symmetric = empty & (n_empty <= n_nonempty) & jnp.take_along_axis(split_lowers_cost, donor, axis=-1)
+    donor_moves = _segment_sum(symmetric.astype(jnp.float32), jnp.where(symmetric, donor, 0), k) > 0
+    new = jnp.where(donor_moves[..., None], new - delta, new)
+    return new, objective
+
+
+def _init_random(x: jax.Array, k: int, key: jax.Array) -> jax.Array:
+    """k points at distinct random indices per problem: x[P, n, ds] -> [P, k, ds]."""
+    p, n, _ = x.shape
+    idx = jax.vmap(lambda kk: jax.random.permutation(kk, n)[:k])(jax.random.split(key, p))
+    return jnp.take_along_axis(x, idx[..., None], axis=1)
+
+
+@partial(jax.jit, static_argnums=1)
+def _init_kmeanspp(x: jax.Array, k: int, key: jax.Array) -> jax.Array:
+    """k-means++ seeding per problem (D^2 sampling): x[P, n, ds] -> [P, k, ds]."""
+    p, n, ds = x.shape
+    rows = jnp.arange(p)
+    key, sub = jax.random.split(key)
+    c0 = x[rows, jax.random.randint(sub, (p,), 0, n)]
+    d2 = jnp.sum(jnp.square(x - c0[:, None]), axis=-1)  # [P, n]
+    cent = jnp.zeros((p, k, ds), jnp.float32).at[:, 0].set(c0)
+
+    def body(i, carry):
+        cent, d2, key = carry
+        key, sub = jax.random.split(key)
+        logits = jnp.where(d2 > 0, jnp.log(jnp.where(d2 > 0, d2, 1.0)), -jnp.inf)
+        logits = jnp.where(jnp.any(d2 > 0, axis=-1, keepdims=True), logits, 0.0)  # all covered: uniform
+        c = x[rows, jax.random.categorical(sub, logits, axis=-1)]
+        d2 = jnp.minimum(d2, jnp.sum(jnp.square(x - c[:, None]), axis=-1))
+        return cent.at[:, i].set(c), d2, key
+
+    cent, _, _ = jax.lax.fori_loop(1, k, body, (cent, d2, key))
+    return cent
+
+
+def kmeans(
+    x: jax.Array,
+    k: int,
+    iters: int = 25,
+    *,
+    key: jax.Array,
+    init: Init = "random",
+    max_points_per_centroid: int = 256,
+    progress: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Lloyd k-means on P independent problems x[P, N, ds] -> (centroids [P, k, ds], objective [P, iters+1]).
+
+    objective[:, 0] is the mean squared distance to the initial centroids, objective[:, i]
+    after i updates; it never increases (up to float32 rounding). Each problem is subsampled (same random points for
+    all problems, deterministic given `key`) to at most max_points_per_centroid * k points.
+    Memory is O(P * N * ds): distances are computed one centroid at a time.
+    """
+    x = jnp.asarray(x)
+    if x.ndim != 3:
+        raise ValueError(f"x must have shape [P, N, ds], got {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x must be floating point, got {x.dtype}")
+    p, n, _ = x.shape
+    if k < 1 or k > n:
+        raise ValueError(f"k must be in [1, N={n}], got {k}")
+    if iters < 0:
+        raise ValueError(f"iters must be >= 0, got {iters}")
+    if init not in ("random", "kmeans++"):
+        raise ValueError(f"init must be 'random' or 'kmeans++', got {init!r}")
+    if max_points_per_centroid < 1:
+        raise ValueError(f"max_points_per_centroid must be >= 1, got {max_points_per_centroid}")
+    x = x.astype(jnp.float32)
+    key_sub, key_init = jax.random.split(key)
+    n_max = max_points_per_centroid * k
+    if n > n_max:
+        x = x[:, jax.random.choice(key_sub, n, (n_max,), replace=False)]
+
+    cent = _init_random(x, k, key_init) if init == "random" else _init_kmeanspp(x, k, key_init)
+    rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=(1, 2)))  # [P] scale for the split perturbation
+
+    history = []
+    for _ in tqdm(range(iters), desc=f"k-means (P={p}, k={k})", disable=not progress):
+        cent, obj = _lloyd_step(x, cent, rms)
+        history.append(jax.block_until_ready(obj))
+    history.append(_objective(x, cent))
+    return cent, jnp.stack(history, axis=1)

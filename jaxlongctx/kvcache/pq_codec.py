@@ -1,0 +1,116 @@
+"""Product-quantization codec: nearest-centroid encode / gather decode per subspace.
+
+Centroid layouts (one function handles both, chosen by centroids.ndim):
+  shared   centroids [M, C, ds]     applied to x[..., D]; codes[..., M]
+  per head centroids [K, M, C, ds]  applied to x[..., K, T, D] (kv-head axis is x's axis -3,
+                                    sized K); codes[..., K, T, M]
+with D = M * ds and C <= 256 (codes are uint8). Distances are squared L2 in float32.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+# Elements of one [rows, M, C] distance block while encoding; 2**24 float32 = 64 MB.
+DEFAULT_CHUNK_ELEMS = 1 << 24
+MAX_CENTROIDS = 256
+
+
+def _check(x_shape: tuple[int, ...], centroids: jax.Array, what: str) -> tuple[int, int, int]:
+    """Validate a (x, centroids) pair; returns (M, C, ds)."""
+    if centroids.ndim not in (3, 4):
+        raise ValueError(f"centroids must be [M, C, ds] or [K, M, C, ds], got shape {centroids.shape}")
+    m, c, ds = centroids.shape[-3:]
+    if c > MAX_CENTROIDS:
+        raise ValueError(f"centroids has C={c} > {MAX_CENTROIDS} per subspace; codes are uint8 (bits <= 8)")
+    if centroids.ndim == 4:
+        kv = centroids.shape[0]
+        if len(x_shape) < 3 or x_shape[-3] != kv:
+            raise ValueError(
+                f"per-kv-head centroids {centroids.shape} need {what} shaped [..., K={kv}, T, ...], got {x_shape}"
+            )
+    return m, c, ds
+
+
+def _encode_rows(x: jax.Array, centroids: jax.Array, rows: int) -> jax.Array:
+    """x[N, D] with centroids[M, C, ds] -> codes[N, M] uint8, in blocks of `rows` rows."""
+    n, d = x.shape
+    m, c, ds = centroids.shape
+    steps = -(-n // rows)
+    xs = jnp.pad(x, ((0, steps * rows - n), (0, 0))).reshape(steps, rows, m, ds)
+    c_sq = jnp.sum(jnp.square(centroids), axis=-1)  # [M, C]
+
+    def block(xb):  # [rows, M, ds] -> [rows, M]
+        # |x - c|^2 = |x|^2 - 2 x.c + |c|^2; |x|^2 is the same for every c of a subspace.
+        dots = jnp.einsum("rmd,mcd->rmc", xb, centroids, precision=jax.lax.Precision.HIGHEST)
+        return jnp.argmin(c_sq - 2.0 * dots, axis=-1).astype(jnp.uint8)
+
+    return jax.lax.map(block, xs).reshape(steps * rows, m)[:n]
+
+
+def encode(x: jax.Array, centroids: jax.Array, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> jax.Array:
+    """Nearest centroid per subspace: x[..., D] -> codes[..., M] uint8 (layouts: module docstring)."""
+    x = jnp.asarray(x)
+    centroids = jnp.asarray(centroids, jnp.float32)
+    m, c, ds = _check(x.shape, centroids, "x")
+    if x.shape[-1] != m * ds:
+        raise ValueError(f"x has last dim {x.shape[-1]}, centroids {centroids.shape} need D = M*ds = {m * ds}")
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
+    return _encode_jit(x.astype(jnp.float32), centroids, chunk_elems)
+
+
+@partial(jax.jit, static_argnames="chunk_elems")
+def _encode_jit(x: jax.Array, centroids: jax.Array, chunk_elems: int) -> jax.Array:
+    """Jitted body of `encode` (inputs already validated, float32)."""
+    m, c, _ = centroids.shape[-3:]
+    if centroids.ndim == 3:
+        rows = max(1, chunk_elems // (m * c))
+        flat = x.reshape(-1, x.shape[-1])
+        return _encode_rows(flat, centroids, rows).reshape(*x.shape[:-1], m)
+    kv = centroids.shape[0]
+    rows = max(1, chunk_elems // (kv * m * c))
+    heads_first = jnp.moveaxis(x, -3, 0)  # [K, ..., T, D]
+    flat = heads_first.reshape(kv, -1, x.shape[-1])  # [K, N, D]
+    codes = jax.vmap(lambda xk, ck: _encode_rows(xk, ck, rows))(flat, centroids)  # [K, N, M]
+    return jnp.moveaxis(codes.reshape(*heads_first.shape[:-1], m), 0, -3)
+
+
+def decode(codes: jax.Array, centroids: jax.Array) -> jax.Array:
+    """Gather and concatenate centroids: codes[..., M] -> x_hat[..., D] float32 (layouts: module docstring)."""
+    codes = jnp.asarray(codes)
+    centroids = jnp.asarray(centroids, jnp.float32)
+    m, _, _ = _check(codes.shape, centroids, "codes")
+    if codes.shape[-1] != m:
+        raise ValueError(f"codes has last dim {codes.shape[-1]}, centroids {centroids.shape} have M = {m}")
+    if not jnp.issubdtype(codes.dtype, jnp.integer):
+        raise ValueError(f"codes must be integers, got {codes.dtype}")
+    return _decode_jit(codes, centroids)
+
+
+def _decode_rows(codes: jax.Array, centroids: jax.Array) -> jax.Array:
+    """codes[N, M] with centroids[M, C, ds] -> [N, M * ds]."""
+    m, _, ds = centroids.shape
+    picked = centroids[jnp.arange(m), codes.astype(jnp.int32)]  # [N, M, ds]
+    return picked.reshape(codes.shape[0], m * ds)
+
+
+@jax.jit
+def _decode_jit(codes: jax.Array, centroids: jax.Array) -> jax.Array:
+    """Jitted body of `decode` (inputs already validated)."""
+    m, _, ds = centroids.shape[-3:]
+    if centroids.ndim == 3:
+        return _decode_rows(codes.reshape(-1, m), centroids).reshape(*codes.shape[:-1], m * ds)
+    kv = centroids.shape[0]
+    heads_first = jnp.moveaxis(codes, -3, 0)  # [K, ..., T, M]
+    out = jax.vmap(_decode_rows)(heads_first.reshape(kv, -1, m), centroids)  # [K, N, D]
+    return jnp.moveaxis(out.reshape(*heads_first.shape[:-1], m * ds), 0, -3)
+
+
+def fake_quantize(x: jax.Array, centroids: jax.Array) -> jax.Array:
+    """decode(encode(x)) in x's dtype: what attention sees from a PQ cache."""
+    x = jnp.asarray(x)
+    return decode(encode(x, centroids), centroids).astype(x.dtype)

@@ -1,0 +1,286 @@
+"""PQ codec, batched k-means and codebook storage (jaxlongctx.kvcache)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlongctx.kvcache import (
+    Codebooks,
+    cache_bytes,
+    decode,
+    encode,
+    fake_quantize,
+    kmeans,
+    load_codebooks,
+    save_codebooks,
+    train_codebooks,
+)
+from jaxlongctx.kvcache import codebooks as codebooks_module
+from jaxlongctx.kvcache.kmeans import _lloyd_step
+
+
+def _brute_force_codes(x: np.ndarray, cent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Nearest centroid per subspace in float64: x[N, D], cent[M, C, ds] -> (codes[N, M], dists[N, M, C])."""
+    m, c, ds = cent.shape
+    sub = x.reshape(-1, m, 1, ds).astype(np.float64)
+    d = np.sum((sub - cent[None].astype(np.float64)) ** 2, axis=-1)  # [N, M, C]
+    return d.argmin(-1), d
+
+
+def _assert_nearest(codes: np.ndarray, x: np.ndarray, cent: np.ndarray) -> None:
+    """codes pick a nearest centroid (ties within float32 rounding allowed) and mostly equal brute force."""
+    ref, d = _brute_force_codes(x, cent)
+    picked = np.take_along_axis(d, codes.reshape(ref.shape)[..., None].astype(np.int64), -1)[..., 0]
+    assert np.all(picked <= d.min(-1) + 1e-5 * (1 + d.min(-1)))
+    assert np.mean(codes.reshape(ref.shape) == ref) > 0.999
+
+
+def test_encode_matches_brute_force_shared() -> None:
+    rng = np.random.default_rng(0)
+    cent = rng.normal(size=(4, 256, 4)).astype(np.float32)  # M=4, C=256, ds=4 -> D=16
+    x = rng.normal(size=(2, 37, 16)).astype(np.float32)
+    codes = encode(x, cent, chunk_elems=3000)  # several blocks plus a padded one
+    assert codes.dtype == jnp.uint8 and codes.shape == (2, 37, 4)
+    _assert_nearest(np.asarray(codes).reshape(-1, 4), x.reshape(-1, 16), cent)
+
+
+def test_encode_matches_brute_force_per_head() -> None:
+    rng = np.random.default_rng(1)
+    kv, m, c, ds = 3, 8, 16, 2
+    cent = rng.normal(size=(kv, m, c, ds)).astype(np.float32)
+    x = rng.normal(size=(2, kv, 11, m * ds)).astype(np.float32)  # [B, K, T, D]
+    codes = np.asarray(encode(x, cent, chunk_elems=100))
+    assert codes.shape == (2, kv, 11, m)
+    for h in range(kv):
+        _assert_nearest(codes[:, h].reshape(-1, m), x[:, h].reshape(-1, m * ds), cent[h])
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_decode_gathers_and_fake_quantize_roundtrip(per_head: bool) -> None:
+    rng = np.random.default_rng(2)
+    cent = rng.normal(size=(2, 4, 8, 2) if per_head else (4, 8, 2)).astype(np.float32)
+    codes = rng.integers(0, 8, size=(3, 2, 5, 4)).astype(np.uint8)  # [B, K, T, M]
+    out = np.asarray(decode(codes, cent))
+    assert out.shape == (3, 2, 5, 8)
+    for b, h, t, mm in np.ndindex(*codes.shape):
+        table = cent[h] if per_head else cent
+        np.testing.assert_array_equal(out[b, h, t, 2 * mm : 2 * mm + 2], table[mm, codes[b, h, t, mm]])
+    # decoded vectors are centroids, so they re-encode to themselves
+    np.testing.assert_array_equal(np.asarray(encode(out, cent)), codes)
+    np.testing.assert_array_equal(np.asarray(fake_quantize(out, cent)), out)
+
+
+def test_codec_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="uint8"):
+        encode(np.zeros((3, 4)), np.zeros((2, 512, 2)))
+    with pytest.raises(ValueError, match="last dim"):
+        encode(np.zeros((3, 6)), np.zeros((2, 16, 2)))
+    with pytest.raises(ValueError, match="K=2"):
+        encode(np.zeros((3, 5, 4)), np.zeros((2, 2, 16, 2)))
+    with pytest.raises(ValueError, match="integers"):
+        decode(np.zeros((3, 2)), np.zeros((2, 16, 2)))
+
+
+def _non_increasing(history: np.ndarray) -> bool:
+    """Objective histories [P, iters+1] never go up (tolerance: float32 rounding of the start value)."""
+    h = np.asarray(history, np.float64)
+    return bool(np.all(np.diff(h, axis=1) <= 1e-6 * h[:, :1] + 1e-12))
+
+
+@pytest.mark.parametrize("init", ["random", "kmeans++"])
+def test_kmeans_objective_never_increases(init: str) -> None:
+    x = jax.random.normal(jax.random.key(0), (3, 2000, 2)) * jnp.array([1.0, 5.0])
+    cent, hist = kmeans(x, 32, 12, key=jax.random.key(1), init=init)
+    assert cent.shape == (3, 32, 2) and hist.shape == (3, 13)
+    assert _non_increasing(hist)
+    assert np.all(np.asarray(hist[:, -1]) < 0.8 * np.asarray(hist[:, 0]))
+
+
+def test_kmeans_empty_clusters_from_duplicates() -> None:
+    # 6 distinct points (3 with a little spread), each repeated: random init picks duplicate
+    # centroids, whose clusters then go empty and must be re-seeded.
+    rng = np.random.default_rng(3)
+    base = rng.normal(size=(2, 6, 2)).astype(np.float32) * 10
+    x = np.repeat(base, 50, axis=1)
+    x[:, :150] += 0.05 * rng.normal(size=(2, 150, 2)).astype(np.float32)
+    cent, hist = kmeans(x, 16, 15, key=jax.random.key(0))
+    assert _non_increasing(hist)
+    assert np.all(np.isfinite(np.asarray(cent)))
+    # every distinct point ends up with a centroid on top of it
+    d = np.sum((x[:, :, None] - np.asarray(cent)[:, None]) ** 2, -1).min(-1)
+    assert d.max() < 0.1
+
+
+def test_kmeans_split_reseeds_empty_clusters() -> None:
+    # Start with a duplicated centroid and one far away: both go empty and get split off the blob.
+    x = jax.random.normal(jax.random.key(2), (1, 600, 2))
+    mean = jnp.mean(x, axis=1)
+    cent = jnp.stack([mean, mean, mean + 1e3], axis=1)  # [P=1, k=3, ds]
+    rms = jnp.sqrt(jnp.mean(x**2, axis=(1, 2)))
+    objectives = []
+    for _ in range(12):
+        cent, obj = _lloyd_step(x, cent, rms)
+        objectives.append(float(obj[0]))
+    assert all(b <= a * (1 + 1e-6) for a, b in zip(objectives, objectives[1:]))
+    assert objectives[-1] < 0.6 * objectives[0]  # three clusters in use, not one
+    assert np.abs(np.asarray(cent)).max() < 10
+
+
+def test_kmeans_recovers_separated_clusters() -> None:
+    rng = np.random.default_rng(4)
+    centers = rng.permutation(np.stack(np.meshgrid(np.arange(4), np.arange(2)), -1).reshape(8, 2) * 20.0)
+    centers = np.stack([centers, centers + 3.0]).astype(np.float32)  # P=2 problems, 8 clusters each
+    labels = rng.integers(0, 8, size=(2, 800))
+    x = np.take_along_axis(centers, labels[..., None], 1) + 0.1 * rng.normal(size=(2, 800, 2)).astype(np.float32)
+    cent, _ = kmeans(x, 8, 10, key=jax.random.key(5), init="kmeans++")
+    for p in range(2):
+        dist = np.sqrt(((centers[p][:, None] - np.asarray(cent[p])[None]) ** 2).sum(-1))
+        assert dist.min(1).max() < 0.05  # every true center has a centroid on it
+
+
+def test_kmeans_subsampling_is_deterministic() -> None:
+    x = jax.random.normal(jax.random.key(6), (2, 5000, 2))
+    a, ha = kmeans(x, 4, 3, key=jax.random.key(7), max_points_per_centroid=100)
+    b, hb = kmeans(x, 4, 3, key=jax.random.key(7), max_points_per_centroid=100)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(ha), np.asarray(hb))
+    with pytest.raises(ValueError, match="k must be"):
+        kmeans(x[:, :3], 4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="init"):
+        kmeans(x, 4, key=jax.random.key(0), init="bogus")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def small_kv() -> tuple[np.ndarray, np.ndarray]:
+    """Calibration keys/values [L=2, N=64, K=2, D=8]."""
+    rng = np.random.default_rng(8)
+    return rng.normal(size=(2, 64, 2, 8)).astype(np.float32), rng.normal(size=(2, 64, 2, 8)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "granularity,layer_shape,stacked_shape",
+    [
+        ("shared", (4, 16, 2), (2, 4, 16, 2)),
+        ("layer", (4, 16, 2), (2, 4, 16, 2)),
+        ("layer_head", (2, 4, 16, 2), (2, 2, 4, 16, 2)),
+    ],
+)
+def test_train_codebooks_layouts(small_kv, granularity: str, layer_shape: tuple, stacked_shape: tuple) -> None:
+    keys, values = small_kv
+    cb = train_codebooks(keys, values, 2, 4, granularity, 3, key=jax.random.key(0), progress=False, model_fingerprint="m")
+    k1, v1 = cb.for_layer(1)
+    assert k1.shape == v1.shape == layer_shape
+    ks, vs = cb.stacked()
+    assert ks.shape == vs.shape == stacked_shape
+    np.testing.assert_array_equal(np.asarray(ks[1]), np.asarray(k1))
+    assert cb.model_fingerprint == "m" and cb.metadata["key_mse"] > 0
+    # the layer-1 codebook is what encodes layer-1 keys: [N, K, D] -> per-head layout [K, N, D]
+    x = np.swapaxes(keys[1], 0, 1) if granularity == "layer_head" else keys[1]
+    assert encode(x, k1).shape[-1] == 4
+    # pytree: passes through jit, static fields survive
+    total = jax.jit(lambda c: c.stacked()[0].sum() + c.ds)(cb)
+    np.testing.assert_allclose(float(total), float(np.asarray(ks).sum()) + 2, rtol=1e-5)
+    with pytest.raises(ValueError, match="layer"):
+        cb.for_layer(2)
+
+
+def test_codebooks_reject_bad_arguments(small_kv) -> None:
+    keys, values = small_kv
+    with pytest.raises(ValueError, match="uint8"):
+        train_codebooks(keys, values, 2, 9, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="ds"):
+        train_codebooks(keys, values, 3, 4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="granularity"):
+        train_codebooks(keys, values, 2, 4, "head", key=jax.random.key(0))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="key_centroids"):
+        Codebooks(jnp.zeros((4, 16, 2)), jnp.zeros((4, 16, 2)), "layer", 2, 4, 8, 2, 2)
+
+
+@pytest.fixture()
+def saved(tmp_path: Path) -> tuple[Codebooks, Path]:
+    """A small per-(layer, head) codebook saved under tmp_path/cb."""
+    rng = np.random.default_rng(9)
+    cb = Codebooks(
+        jnp.asarray(rng.normal(size=(2, 2, 4, 16, 2)), jnp.float32),
+        jnp.asarray(rng.normal(size=(2, 2, 4, 16, 2)), jnp.float32),
+        "layer_head", 2, 4, 8, 2, 2, {"model_fingerprint": "llama-a"},
+    )
+    return cb, save_codebooks(cb, tmp_path / "cb")
+
+
+def test_save_load_roundtrip(saved, tmp_path: Path) -> None:
+    cb, path = saved
+    back = load_codebooks(path, expected_fingerprint="llama-a")
+    np.testing.assert_array_equal(np.asarray(back.key_centroids), np.asarray(cb.key_centroids))
+    np.testing.assert_array_equal(np.asarray(back.value_centroids), np.asarray(cb.value_centroids))
+    assert (back.granularity, back.ds, back.bits, back.head_dim, back.metadata) == (
+        cb.granularity, cb.ds, cb.bits, cb.head_dim, cb.metadata,
+    )
+    with pytest.raises(ValueError, match="already exists"):
+        save_codebooks(cb, path)
+    save_codebooks(back, path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cb"]
+
+
+def test_load_fingerprint_mismatch(saved) -> None:
+    _, path = saved
+    with pytest.raises(ValueError, match="made for model 'llama-a', not 'llama-b'"):
+        load_codebooks(path, expected_fingerprint="llama-b")
+
+
+def test_load_missing_and_corrupt_files(saved, tmp_path: Path) -> None:
+    _, path = saved
+    with pytest.raises(ValueError, match="does not exist"):
+        load_codebooks(tmp_path / "nope")
+    meta_file = path / "codebooks.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "num_layers": 3}))
+    with pytest.raises(ValueError, match="do not match"):
+        load_codebooks(path)
+    meta_file.write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_codebooks(path)
+    meta_file.unlink()
+    with pytest.raises(ValueError, match="missing codebooks.json"):
+        load_codebooks(path)
+    meta_file.write_text(json.dumps(meta))
+    for f in (path / "arrays").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="cannot read arrays"):
+        load_codebooks(path)
+
+
+def test_save_failure_leaves_nothing(saved, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cb, _ = saved
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(codebooks_module.json, "dumps", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save_codebooks(cb, tmp_path / "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cb"]  # no partial or temp directory
+
+
+def test_cache_bytes_arithmetic() -> None:
+    t, l, kv, d, r = 32768, 32, 8, 128, 128
+    ds2 = cache_bytes(t, l, kv, d, 2, 8, r)
+    dense = 2 * l * kv * t * d * 2
+    assert ds2["dense_bf16_bytes"] == dense
+    assert ds2["codes_bytes"] == 2 * l * kv * (t - r) * 64
+    assert ds2["window_bytes"] == 2 * l * kv * r * d * 2
+    assert ds2["codebook_bytes"] == 2 * 64 * 256 * 2 * 4
+    assert ds2["total_bytes"] == ds2["codes_bytes"] + ds2["window_bytes"] + ds2["codebook_bytes"]
+    assert 3.9 < ds2["compression"] < 4.0 and 4.0 < ds2["bits_per_element"] < 4.1
+    ds4 = cache_bytes(t, l, kv, d, 4, 8, r)
+    assert 7.7 < ds4["compression"] < 8.0
+    per_head = cache_bytes(t, l, kv, d, 4, 8, r, granularity="layer_head")
+    assert per_head["codebook_bytes"] == 2 * l * kv * 32 * 256 * 4 * 4
+    assert cache_bytes(100, 1, 1, d, 2, 8, r)["codes_bytes"] == 0  # all tokens still in the window
