@@ -4,5 +4,6 @@ from jaxlongctx.config import ModelConfig
 from jaxlongctx.generate import generate
 from jaxlongctx.loading import load
 from jaxlongctx.model import Model
+from jaxlongctx.parallel import make_mesh, shard_model
 
-__all__ = ["Model", "ModelConfig", "generate", "load"]
+__all__ = ["Model", "ModelConfig", "generate", "load", "make_mesh", "shard_model"]

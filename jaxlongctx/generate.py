@@ -14,6 +14,7 @@ from jaxlongctx.config import eos_ids
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.llama import decode_hidden, forward_hidden
 from jaxlongctx.model.model import Model
+from jaxlongctx.parallel import put_batch
 from jaxlongctx.sampling import select_next
 from jaxlongctx.validation import check_ids, check_mask, check_positive_int
 
@@ -38,12 +39,8 @@ def _prefill(model: Model, capacity: int, params, ids, mask):
     module = model.merge(params)
     h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)  # k/v: L B T K hd
     last = last_real_index(mask)
-    logits = module.head(h[jnp.arange(h.shape[0]), last][:, None])[:, 0]
-    cache = DenseCache.allocate(model.config, ids.shape[0], capacity, k.dtype)
-    t = ids.shape[1]
-    cache = DenseCache(cache.k.at[:, :, :t].set(k), cache.v.at[:, :, :t].set(v),
-                       cache.key_valid.at[:, :t].set(mask))
-    return logits, cache
+    logits = module.head(jnp.take_along_axis(h, last[:, None, None], axis=1))[:, 0]
+    return logits, DenseCache.from_prefill(k, v, mask, capacity)
 
 
 def _decode_step(model: Model, sampler: tuple, eos: tuple[int, ...], pad_id: int,
@@ -53,7 +50,7 @@ def _decode_step(model: Model, sampler: tuple, eos: tuple[int, ...], pad_id: int
     tok = jnp.where(done, pad_id, tok)
     done = done | jnp.isin(tok, jnp.asarray(eos, jnp.int32)) if eos else done
     module = model.merge(params)
-    key_valid = cache.key_valid.at[:, slot].set(True)
+    key_valid = cache.key_valid | (jnp.arange(cache.capacity) == slot)  # mark `slot` (keeps sharding)
     h, k, v = decode_hidden(module, tok[:, None], positions[:, None], slot, cache.k, cache.v, key_valid)
     return tok, done, module.head(h)[:, 0], DenseCache(k, v, key_valid)
 
@@ -61,11 +58,19 @@ def _decode_step(model: Model, sampler: tuple, eos: tuple[int, ...], pad_id: int
 def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_id: int | list[int] | None = None, attention_mask: Any = None,
-             progress: bool = False) -> np.ndarray:
+             progress: bool = False, kv_cache: str = "dense", codebooks: Any = None, pq_window: int = 128,
+             keep_prompt_tail_exact: bool = False) -> np.ndarray:
     """Generate `max_new_tokens` after `ids [B, T]`; returns ids `[B, T + new]` (greedy by default).
 
     Rows stop independently at `eos_id` (default: the config's eos) and are then filled with it.
+    kv_cache="pq" decodes over a product-quantized cache (`codebooks`, see jaxlongctx.pq_generate).
     """
+    if kv_cache != "dense":  # checks kv_cache, the model (no ARMT) and the codebooks
+        from jaxlongctx.pq_generate import generate_pq
+
+        return generate_pq(model, ids, max_new_tokens, kv_cache=kv_cache, codebooks=codebooks, window=pq_window,
+                           keep_prompt_tail_exact=keep_prompt_tail_exact, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress)
     if hasattr(model, "generate_ids"):  # models with their own decoding (e.g. ARMT) plug in here
         return model.generate_ids(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                   seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress)
@@ -89,7 +94,7 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
     capacity = bucket_length(prompt_len + max_new_tokens)
     prefill, step = _compiled(model, capacity, sampler, eos, pad_id)
 
-    logits, cache = prefill(model.params, jnp.asarray(ids_p), jnp.asarray(mask_p))
+    logits, cache = prefill(model.params, put_batch(ids_p, model.mesh), put_batch(mask_p, model.mesh))
     positions = jnp.asarray(mask.sum(axis=1), jnp.int32)
     done = jnp.zeros((b,), bool)
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)

@@ -7,9 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from jaxlongctx.checkpoint import CheckpointError, is_checkpoint, load_module
+from jaxlongctx.checkpoint import CheckpointError, is_checkpoint, load_module, read_metadata
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.model import Model
+from jaxlongctx.parallel import param_shardings
 
 _DTYPE_NAMES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32, "float32": jnp.float32}
 
@@ -38,23 +42,32 @@ def load_tokenizer(directory: str | Path) -> Any:
     return Tokenizer.from_file(str(f))
 
 
-def load(path: str | Path, dtype: Any = None) -> Model:
+def _restore(ckpt: Path, dtype: jnp.dtype | None, mesh: Mesh | None) -> Llama:
+    """Restore a checkpoint's module, each tensor straight into its shard when a mesh is given."""
+    if mesh is None:
+        return load_module(ckpt, dtype)
+    config = ModelConfig.from_dict(read_metadata(ckpt)["config"])
+    return load_module(ckpt, dtype, param_shardings(config, mesh))
+
+
+def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> Model:
     """Load a model from our checkpoint or a HF model directory (converted on the fly).
 
-    `dtype` ('bf16' | 'fp32' | None = as stored) casts the parameters.
+    `dtype` ('bf16' | 'fp32' | None = as stored) casts the parameters; `mesh` (see
+    `jaxlongctx.parallel.make_mesh`) shards them, each process reading only its shards.
     """
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path}: no such model directory")
     target = parse_dtype(dtype)
     if is_checkpoint(path):
-        module = load_module(path, target)
+        module = _restore(path, target, mesh)
     elif (path / "config.json").exists():
         from convert.hf_llama import convert_hf_to_ckpt  # noqa: PLC0415
 
         with tempfile.TemporaryDirectory(prefix="jaxlongctx-convert-") as tmp:
             ckpt = convert_hf_to_ckpt(path, Path(tmp) / "ckpt", progress=False)
-            module = load_module(ckpt, target)
+            module = _restore(ckpt, target, mesh)
     else:
         raise CheckpointError(f"{path}: neither a jaxlongctx checkpoint nor a HF model directory (no config.json)")
     return Model(module, tokenizer=load_tokenizer(path))

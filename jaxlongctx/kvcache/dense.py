@@ -25,6 +25,14 @@ class DenseCache(NamedTuple):
         shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, capacity), bool))
 
+    @classmethod
+    def from_prefill(cls, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray, capacity: int) -> DenseCache:
+        """A cache of `capacity` slots holding prefill keys/values `[L, B, T, K, hd]` in slots `[0, T)`;
+        padding keeps the inputs' sharding (kv heads over tp, batch over dp) on a mesh."""
+        pad = capacity - k.shape[2]
+        slots = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
+        return cls(jnp.pad(k, slots), jnp.pad(v, slots), jnp.pad(mask, ((0, 0), (0, pad))))
+
     @property
     def capacity(self) -> int:
         """Number of token slots."""

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.rope import apply_rope
+from jaxlongctx.parallel import sharding_like
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -79,12 +80,14 @@ class DecoderLayer(nnx.Module):
         """
         cfg = self.config
         b, t, _ = h.shape
-        o = attn_out.reshape(b, t, cfg.num_heads * cfg.head_dim) @ self.wo[...]
+        o = jnp.matmul(attn_out.reshape(b, t, cfg.num_heads * cfg.head_dim), self.wo[...],
+                       out_sharding=sharding_like(h))  # row parallel: one all-reduce under tp
         if cfg.o_bias:
             o = o + self.bo[...]
         h = h + o
         x = rms_norm(h, self.post_norm[...], cfg.rms_norm_eps)
-        return h + (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+        gated = jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])
+        return h + jnp.matmul(gated, self.w_down[...], out_sharding=sharding_like(h))
 
 
 def stacked_layers(config: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:

@@ -10,6 +10,7 @@ from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.attention import attention, causal_prefill_attention
 from jaxlongctx.model.layers import DecoderLayer, rms_norm, stacked_layers
 from jaxlongctx.model.rope import inverse_frequencies, rope_tables
+from jaxlongctx.parallel import embed_lookup, reshard_like
 
 
 class Llama(nnx.Module):
@@ -27,13 +28,14 @@ class Llama(nnx.Module):
 
     def embed_ids(self, ids: jnp.ndarray) -> jnp.ndarray:
         """Token embeddings `[B, T, D]` for ids `[B, T]`."""
-        return jnp.take(self.embed[...], ids, axis=0)
+        return embed_lookup(self.embed[...], ids)
 
     def head(self, h: jnp.ndarray) -> jnp.ndarray:
         """Final norm and LM head: `[B, T, D]` -> float32 logits `[B, T, V]`."""
         x = rms_norm(h, self.final_norm[...], self.config.rms_norm_eps)
         w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
+        return reshard_like(logits, x)  # vocab-parallel head: gather the per-shard logits
 
     def rope(self, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
         """cos/sin tables `[B, T, hd]` for positions `[B, T]`."""

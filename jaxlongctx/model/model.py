@@ -8,9 +8,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.llama import Llama, forward
+from jaxlongctx.parallel import mesh_of, put_batch
 from jaxlongctx.validation import check_ids, check_mask
 
 
@@ -31,6 +33,11 @@ class Model:
     def dtype(self) -> jnp.dtype:
         """Parameter dtype."""
         return self.module.embed[...].dtype
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """The device mesh the parameters are sharded on (see `jaxlongctx.parallel`), or None."""
+        return mesh_of(self.params)
 
     @cached_property
     def graphdef(self) -> nnx.GraphDef:
@@ -63,8 +70,14 @@ class Model:
         ids = check_ids(ids, self.config.vocab_size)
         mask = check_mask(attention_mask, ids)
         self.check_length(ids.shape[1])
-        return self._forward(self.params, jnp.asarray(ids), jnp.asarray(mask))
+        return self._forward(self.params, put_batch(ids, self.mesh), put_batch(mask, self.mesh))
 
     def param_bytes(self) -> int:
         """Total bytes of all parameters."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+
+    def with_armt(self, config: Any, key: jax.Array) -> Any:
+        """This model wrapped as an `ARMTModel` with fresh memory parameters (`config`: ARMTConfig)."""
+        from jaxlongctx.armt.model import ARMTModel
+
+        return ARMTModel.wrap(self, config, key)

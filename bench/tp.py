@@ -1,0 +1,116 @@
+"""Tensor parallelism: prefill and decode step time and per-device memory vs tp.
+
+On CPU the devices are faked (`--xla_force_host_platform_device_count=8`) and share the same
+cores, so what shows is the overhead of splitting (collectives, smaller GEMMs), not a speed-up;
+per-device parameter and KV-cache bytes show the 1/tp memory split. All tp values are timed
+side by side in one run (interleaved repeats, medians).
+
+Usage: python -m bench.tp [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before JAX starts
+
+import argparse  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import interleaved_times, plot_path, write_result  # noqa: E402
+from jaxlongctx.config import ModelConfig  # noqa: E402
+from jaxlongctx.generate import bucket_length, generate  # noqa: E402
+from jaxlongctx.model.model import Model  # noqa: E402
+from jaxlongctx.parallel import cache_sharding, make_mesh, shard_model  # noqa: E402
+
+FULL = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=16,
+                   num_kv_heads=8, head_dim=32, eos_token_id=2)
+QUICK = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=2, num_heads=8,
+                    num_kv_heads=8, head_dim=32, eos_token_id=2)
+
+
+def device0_bytes(tree: Any, device: Any) -> int:
+    """Bytes of a pytree's shards that live on `device`."""
+    return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+               if s.device == device)
+
+
+def measure(config: ModelConfig, tps: list[int], prompt: int, new_tokens: int, repeats: int) -> list[dict]:
+    """Time prefill (a full forward) and decode (per token) for each tp; report per-device memory."""
+    base = Model.init(config, seed=0)
+    ids = np.random.default_rng(0).integers(3, config.vocab_size, (1, prompt)).astype(np.int32)
+    models = {tp: shard_model(base, make_mesh(tp=tp)) for tp in tps}
+    fns: dict[str, Any] = {}
+    for tp, model in models.items():
+        fns[f"prefill/tp{tp}"] = lambda m=model: m(ids)
+        fns[f"generate1/tp{tp}"] = lambda m=model: generate(m, ids, 1)
+        fns[f"generate/tp{tp}"] = lambda m=model: generate(m, ids, new_tokens, eos_id=-1)
+    times = interleaved_times(fns, repeats=repeats)
+    capacity = bucket_length(bucket_length(prompt) + new_tokens)
+    cache_shape = (config.num_layers, 1, capacity, config.num_kv_heads, config.head_dim)
+    rows = []
+    for tp, model in models.items():
+        device = model.mesh.devices.flat[0]
+        decode = (times[f"generate/tp{tp}"]["median_s"] - times[f"generate1/tp{tp}"]["median_s"]) / (new_tokens - 1)
+        cache_shard = cache_sharding(model.mesh).shard_shape(cache_shape)
+        rows.append({
+            "tp": tp,
+            "prefill_s": times[f"prefill/tp{tp}"]["median_s"],
+            "decode_step_s": decode,
+            "param_bytes_per_device": device0_bytes(model.params, device),
+            "kv_cache_bytes_per_device": 2 * int(np.prod(cache_shard)) * model.dtype.itemsize,
+            "times": {k.split("/")[0]: v for k, v in times.items() if k.endswith(f"/tp{tp}")},
+        })
+    return rows
+
+
+def plot(rows: list[dict], name: str) -> None:
+    """Step times and per-device memory vs tp, relative to tp = 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tps = [r["tp"] for r in rows]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("prefill_s", "prefill (full forward)"), ("decode_step_s", "decode step")):
+        ax_t.plot(tps, [r[key] / rows[0][key] for r in rows], "o-", label=label)
+    ax_t.set_xscale("log", base=2)
+    ax_t.set(xticks=tps, xticklabels=tps, xlabel="tp (fake CPU devices, shared cores)",
+             ylabel="time / time at tp=1", title="step time vs tp (overhead on CPU)")
+    ax_t.legend()
+    for key, label in (("param_bytes_per_device", "parameters"), ("kv_cache_bytes_per_device", "KV cache")):
+        ax_m.plot(tps, [r[key] / 2**20 for r in rows], "o-", label=label)
+    ax_m.plot(tps, [rows[0]["param_bytes_per_device"] / t / 2**20 for t in tps], "k:", label="params / tp")
+    ax_m.set_xscale("log", base=2)
+    ax_m.set(yscale="log", xticks=tps, xticklabels=tps, xlabel="tp", ylabel="MiB per device",
+             title="per-device memory vs tp")
+    ax_m.legend()
+    fig.tight_layout()
+    fig.savefig(plot_path(name), dpi=100)
+    print(f"wrote {plot_path(name)}")
+
+
+def main() -> None:
+    """Run the benchmark and write bench/results/tp.json + tp.png."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2-layer model, 128-token prompt, 3 repeats")
+    args = parser.parse_args()
+    config = QUICK if args.quick else FULL
+    prompt, new_tokens, repeats = (128, 8, 3) if args.quick else (512, 16, 5)
+    tps = [t for t in (1, 2, 4, 8) if t <= len(jax.devices())]
+    rows = measure(config, tps, prompt, new_tokens, repeats)
+    for r in rows:
+        print(f"tp={r['tp']}: prefill {r['prefill_s'] * 1e3:.1f} ms, decode step {r['decode_step_s'] * 1e3:.2f} ms, "
+              f"params/device {r['param_bytes_per_device'] / 2**20:.2f} MiB, "
+              f"KV cache/device {r['kv_cache_bytes_per_device'] / 2**20:.2f} MiB")
+    write_result("tp", {"config": config.to_dict(), "prompt_tokens": prompt, "new_tokens": new_tokens,
+                        "repeats": repeats, "quick": args.quick, "rows": rows})
+    plot(rows, "tp")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Tensor and data parallelism over an explicit-axis `jax.sharding` mesh.
+
+One table (`LOGICAL_AXES`) maps the logical axes of parameters, KV caches and activations to
+mesh axes. Column-parallel weights (q/k/v by heads, MLP gate/up, LM head by vocabulary) are
+split along their output, row-parallel ones (attention output, MLP down) along their input; the
+row-parallel contractions name their output sharding (`sharding_like`), which makes XLA
+insert one all-reduce per column/row pair. The embedding is vocab-parallel (`embed_lookup`); a
+vocabulary that does not divide by tp is replicated instead. `shard_map` appears only around the
+Pallas PQ kernel. Everything here is a no-op for unsharded (single-device) arrays.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxlongctx.config import ModelConfig
+
+DATA, TENSOR = "dp", "tp"  # mesh axis names
+
+# Logical axis -> mesh axis (None = replicated). The only place sharding decisions are made.
+LOGICAL_AXES: dict[str, str | None] = {
+    "batch": DATA,
+    "vocab": TENSOR,
+    "embed": None,
+    "q_heads": TENSOR,
+    "kv_heads": TENSOR,
+    "mlp": TENSOR,
+    "layers": None,
+    "head_dim": None,
+    "seq": None,
+}
+
+# Logical axes of every parameter, by leaf name (per-layer leaves lead with "layers").
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": ("embed",),
+    "input_norm": ("layers", "embed"),
+    "post_norm": ("layers", "embed"),
+    "wq": ("layers", "embed", "q_heads"),
+    "wk": ("layers", "embed", "kv_heads"),
+    "wv": ("layers", "embed", "kv_heads"),
+    "wo": ("layers", "q_heads", "embed"),
+    "bq": ("layers", "q_heads"),
+    "bk": ("layers", "kv_heads"),
+    "bv": ("layers", "kv_heads"),
+    "bo": ("layers", "embed"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
+    "w_gate": ("layers", "embed", "mlp"),
+    "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+}
+
+CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # DenseCache k/v [L, B, S, K, hd]
+
+
+def make_mesh(tp: int = 1, dp: int = 1, devices: list[Any] | None = None) -> Mesh:
+    """A `(dp, tp)` mesh with explicit axis types over the first `dp * tp` devices."""
+    if tp < 1 or dp < 1:
+        raise ValueError(f"tp and dp must be >= 1, got tp={tp}, dp={dp}")
+    devices = list(jax.devices() if devices is None else devices)
+    if dp * tp > len(devices):
+        raise ValueError(f"a dp={dp} x tp={tp} mesh needs {dp * tp} devices, but only {len(devices)} are "
+                         "available (on CPU, fake more with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    return jax.make_mesh((dp, tp), (DATA, TENSOR), axis_types=(AxisType.Explicit, AxisType.Explicit),
+                         devices=devices[:dp * tp])
+
+
+def logical_spec(axes: tuple[str | None, ...]) -> P:
+    """The `PartitionSpec` of logical axes under `LOGICAL_AXES`."""
+    return P(*(None if a is None else LOGICAL_AXES[a] for a in axes))
+
+
+def check_divisible(config: ModelConfig, mesh: Mesh) -> None:
+    """Refuse configs whose heads or MLP width do not split evenly over the tensor axis."""
+    tp = mesh.shape[TENSOR]
+    for name, size in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
+                       ("intermediate_size", config.intermediate_size)):
+        if size % tp:
+            hint = (" (kv heads are not replicated across tensor-parallel devices: use tp <= num_kv_heads "
+                    "and a divisor of it)") if name == "num_kv_heads" else ""
+            raise ValueError(f"tensor parallelism tp={tp} needs {name} divisible by {tp}, got {size}{hint}")
+
+
+def _vocab_split(config: ModelConfig, mesh: Mesh) -> bool:
+    """True when the vocabulary is split over tp (else the embedding and head are replicated)."""
+    return config.vocab_size % mesh.shape[TENSOR] == 0
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+    """`NamedSharding`s matching `nnx.to_pure_dict` of a `Llama` state with this config."""
+    from jaxlongctx.checkpoint import abstract_model  # noqa: PLC0415 (the model imports this module)
+
+    check_divisible(config, mesh)
+    pure = nnx.to_pure_dict(nnx.state(abstract_model(config, jnp.float32)))
+    split_vocab = _vocab_split(config, mesh)
+
+    def spec(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
+        name = str(path[-1].key)
+        if name not in PARAM_AXES:
+            raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no entry in PARAM_AXES")
+        axes = PARAM_AXES[name]
+        if len(axes) != leaf.ndim:
+            raise ValueError(f"parameter {jax.tree_util.keystr(path)} has rank {leaf.ndim}, PARAM_AXES says {axes}")
+        if not split_vocab:
+            axes = tuple(None if a == "vocab" else a for a in axes)
+        return NamedSharding(mesh, logical_spec(axes))
+
+    return jax.tree_util.tree_map_with_path(spec, pure)
+
+
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """Place a host or device array with `sharding`; works when the mesh spans several processes."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_model(model: Any, mesh: Mesh) -> Any:
+    """A copy of `model` (a `Model`) with every parameter placed in its shard on `mesh`."""
+    from jaxlongctx.model.model import Model  # noqa: PLC0415
+
+    graphdef, state = nnx.split(model.module)
+    shardings = param_shardings(model.config, mesh)
+    placed = jax.tree.map(put, nnx.to_pure_dict(state), shardings)
+    nnx.replace_by_pure_dict(state, placed)
+    return Model(nnx.merge(graphdef, state), tokenizer=model.tokenizer)
+
+
+def mesh_of(tree: Any) -> Mesh | None:
+    """The mesh the leaves of a (parameter) pytree are sharded on, or None if they are not."""
+    leaves = jax.tree.leaves(tree)
+    sharding = getattr(leaves[0], "sharding", None) if leaves else None
+    return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
+
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Batch-leading activations split over the data axis (replicated if dp is 1 or does not divide
+    the batch; a size-1 batch dim on a size-1 axis loses its sharding in some JAX ops)."""
+    split = mesh.shape[DATA] > 1 and shape[0] % mesh.shape[DATA] == 0
+    return NamedSharding(mesh, P(LOGICAL_AXES["batch"] if split else None, *([None] * (len(shape) - 1))))
+
+
+def put_batch(x: Any, mesh: Mesh | None) -> jax.Array:
+    """A batch-leading input on device: plain `jnp.asarray` without a mesh, else split over `dp`."""
+    if mesh is None:
+        return jnp.asarray(x)
+    return put(np.asarray(x), batch_sharding(mesh, np.shape(x)))
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of dense KV cache buffers `[L, B, S, K, hd]`: batch over dp, kv heads over tp."""
+    return NamedSharding(mesh, logical_spec(CACHE_AXES))
+
+
+def sharding_like(like: jax.Array) -> NamedSharding | None:
+    """`out_sharding` that lays a contraction's output out like `like` (e.g. the residual stream:
+    batch split, features whole), so row-parallel products all-reduce; None when `like` is not on a mesh."""
+    sharding = jax.typeof(like).sharding
+    return None if sharding.mesh.empty else sharding
+
+
+def reshard_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """`x` moved to the layout of `like` (same rank), e.g. vocab-split logits gathered; no-op off a mesh."""
+    sharding = sharding_like(like)
+    return x if sharding is None else jax.sharding.reshard(x, sharding)
+
+
+def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows of `table [V, D]` for `ids [B, T]` -> `[B, T, D]`. With the vocabulary split over tp, XLA
+    partitions the gather vocab-parallel: each shard looks up the ids in its range, the others give
+    zeros, and one all-reduce sums them; the output is laid out like `ids` (batch over dp)."""
+    sharding = jax.typeof(table).sharding
+    if sharding.mesh.empty:
+        return jnp.take(table, ids, axis=0)
+    out = NamedSharding(sharding.mesh, P(*jax.typeof(ids).sharding.spec, None))
+    return table.at[ids].get(out_sharding=out)
+
+
+def sharded_pq_decode_attention(q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_cent: jax.Array,
+                                v_cent: jax.Array, lengths: jax.Array, k_res: jax.Array, v_res: jax.Array,
+                                res_lengths: jax.Array, scale: float, *, backend: str = "auto") -> jax.Array:
+    """`pallas_kernels.pq_decode_attention` run per shard under `shard_map` when its inputs are on a
+    mesh (codes and windows split over kv heads and batch, queries by the matching heads): attention
+    is local to a kv-head group, so no communication is needed. Shapes as the kernel; -> `[B, H, D]`."""
+    from pallas_kernels import pq_decode_attention  # noqa: PLC0415 (kernels load only when used)
+
+    args = (q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths)
+    kernel = lambda *a: pq_decode_attention(*a, scale, backend=backend)  # noqa: E731
+    q_sharding = jax.typeof(q).sharding
+    if q_sharding.mesh.empty:
+        return kernel(*args)
+    specs = tuple(jax.typeof(a).sharding.spec for a in args)
+    batch, heads = specs[0][0], specs[0][1]
+    expected = {"k_codes": (1, 1, heads), "v_codes": (2, 1, heads), "k_res": (6, 1, heads),
+                "v_res": (7, 1, heads), "lengths": (5, 0, batch), "res_lengths": (8, 0, batch)}
+    if k_cent.ndim == 4:
+        expected.update({"k_cent": (3, 0, heads), "v_cent": (4, 0, heads)})
+    for name, (i, dim, axis) in expected.items():
+        if specs[i][dim] != axis:
+            raise ValueError(f"sharded_pq_decode_attention: {name} dim {dim} is sharded {specs[i][dim]!r}, but "
+                             f"q's {'batch' if dim == 0 else 'heads'} are sharded {axis!r}")
+    # check_vma=False: pallas_call outputs carry no varying-axes types; nothing here communicates
+    return jax.shard_map(kernel, mesh=q_sharding.mesh, in_specs=specs, out_specs=P(batch, heads, None),
+                         check_vma=False)(*args)
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `--tp` and `--dp` (mesh shape) to a command's parser."""
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (default 1)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel devices (default 1)")
+
+
+def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
+    """The mesh asked for by `--tp/--dp`, or None for the plain single-device path."""
+    if args.tp == 1 and args.dp == 1:
+        return None
+    return make_mesh(tp=args.tp, dp=args.dp)

@@ -1,0 +1,252 @@
+"""Tensor-parallel checks that need several (fake CPU) devices, run in a subprocess by test_parallel.py.
+
+    python tests/parallel_worker.py meshes OUT.json            # needs 8 fake devices (set by the caller)
+    python tests/parallel_worker.py armt OUT.json              # ARMT schedules on a tp=2 mesh
+    python tests/parallel_worker.py process PORT NPROC RANK CKPT OUT.json  # one process of a multi-process run
+
+Each command writes its measurements as JSON; the test compares them with single-device results.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxlongctx
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.kvcache.dense import DenseCache
+from jaxlongctx.model.attention import attention
+from jaxlongctx.model.llama import forward_hidden, positions_from_mask
+from jaxlongctx.parallel import cache_sharding, make_mesh, put_batch, shard_model
+
+# GQA (2 q heads per kv head) that splits over tp up to 8; biases check "bias added once".
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=16,
+                  num_kv_heads=8, head_dim=8, qkv_bias=True, o_bias=True, eos_token_id=2)
+# Tied embeddings + q/k norm (Qwen3-like), for the sharded loading path.
+TIED = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                   num_kv_heads=4, head_dim=8, qk_norm=True, tie_word_embeddings=True, model_type="qwen3")
+MESHES = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2)]  # (tp, dp)
+NEW_TOKENS = 4
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def make_model(config: ModelConfig = CFG, seed: int = 1) -> jaxlongctx.Model:
+    """A random model whose biases and norms are random too (so "added once" is visible)."""
+    model = jaxlongctx.Model.init(config, seed=seed)
+    graphdef, state = nnx.split(model.module)
+    pure = nnx.to_pure_dict(state)
+    rng = np.random.default_rng(seed)
+    for name in ("bq", "bk", "bv", "bo", "input_norm", "post_norm", "q_norm", "k_norm"):
+        if name in pure["layers"]:
+            leaf = pure["layers"][name]
+            pure["layers"][name] = jnp.asarray(rng.normal(1.0 if "norm" in name else 0.0, 0.1, leaf.shape),
+                                               leaf.dtype)
+    nnx.replace_by_pure_dict(state, pure)
+    return jaxlongctx.Model(nnx.merge(graphdef, state))
+
+
+def sample_inputs(config: ModelConfig = CFG) -> tuple[np.ndarray, np.ndarray]:
+    """A padded batch of 4 prompts (row 1 left-padded)."""
+    ids = np.random.default_rng(0).integers(3, config.vocab_size, (4, 9)).astype(np.int32)
+    mask = np.ones_like(ids, bool)
+    mask[1, :3] = False
+    return ids, mask
+
+
+def reference(config: ModelConfig = CFG) -> dict[str, Any]:
+    """Single-device logits and greedy tokens (no mesh at all)."""
+    model, (ids, mask) = make_model(config), sample_inputs(config)
+    return {"logits": np.asarray(model(ids, mask)),
+            "tokens": jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)}
+
+
+def device0_param_bytes(model: jaxlongctx.Model) -> int:
+    """Parameter bytes held by the first device of the model's mesh."""
+    device = model.mesh.devices.flat[0]
+    return sum(s.data.nbytes for leaf in jax.tree.leaves(model.params)
+               for s in leaf.addressable_shards if s.device == device)
+
+
+def replicated_param_bytes(model: jaxlongctx.Model) -> int:
+    """Bytes of the parameters that stay whole on every device (norms, output bias)."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(model.params) if leaf.sharding.is_fully_replicated)
+
+
+def layer_collectives(model: jaxlongctx.Model) -> dict[str, int]:
+    """Collectives in the compiled HLO of one decoder layer (norm, q/k/v, attention, output, MLP)."""
+    graphdef, state = nnx.split(model.module.layers)
+    first = jax.tree.map(lambda x: x[0], state)
+    ids, mask = sample_inputs()
+    h = put_batch(np.ones((*ids.shape, CFG.hidden_size), np.float32), model.mesh)
+    mask = put_batch(mask, model.mesh)
+
+    def one_layer(layer_state, h, mask):
+        layer = nnx.merge(graphdef, layer_state)
+        cos, sin = model.module.rope(positions_from_mask(mask))
+        q, k, v = layer.project_qkv(h, cos, sin)
+        slots = jnp.broadcast_to(jnp.arange(mask.shape[1]), mask.shape)
+        return layer.finish(h, attention(q, k, v, slots, mask))
+
+    hlo = jax.jit(one_layer).lower(first, h, mask).compile().as_text()
+    return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
+
+
+def forward_collectives(model: jaxlongctx.Model) -> dict[str, Any]:
+    """Collectives in the compiled full forward (embedding, scanned layers, head), and the shapes
+    the all-gathers produce (only the logits should be gathered, never a weight)."""
+    ids, mask = (put_batch(x, model.mesh) for x in sample_inputs())
+    hlo = model._forward.lower(model.params, ids, mask).compile().as_text()
+    counts: dict[str, Any] = {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
+    counts["all_gather_shapes"] = re.findall(r"= (\S+?)\{[^}]*\} all-gather(?:-start)?\(", hlo)
+    return counts
+
+
+def prefill_cache_spec(model: jaxlongctx.Model) -> str:
+    """PartitionSpec of the dense KV cache that prefill builds on the model's mesh."""
+    ids, mask = sample_inputs()
+
+    def fill(params, ids, mask):
+        _, (k, v) = forward_hidden(model.merge(params), ids, mask, collect_kv=True)
+        return DenseCache.from_prefill(k, v, mask, 16)
+
+    cache = jax.jit(fill)(model.params, put_batch(ids, model.mesh), put_batch(mask, model.mesh))
+    assert cache.k.sharding.is_equivalent_to(cache_sharding(model.mesh), cache.k.ndim), cache.k.sharding
+    return str(cache.k.sharding.spec)
+
+
+def run_meshes() -> dict[str, Any]:
+    """Logits, greedy tokens and per-device memory on every mesh, against one device."""
+    base = make_model()
+    ref = reference()
+    ids, mask = sample_inputs()
+    out: dict[str, Any] = {"total_param_bytes": base.param_bytes(), "meshes": []}
+    for tp, dp in MESHES:
+        model = shard_model(base, make_mesh(tp=tp, dp=dp))
+        logits = model(ids, mask)
+        tokens = jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
+        out["meshes"].append({
+            "tp": tp, "dp": dp,
+            "logit_max_diff": float(np.abs(np.asarray(logits) - ref["logits"]).max()),
+            "tokens_equal": bool((tokens == ref["tokens"]).all()),
+            "device0_param_bytes": device0_param_bytes(model),
+            "replicated_param_bytes": replicated_param_bytes(model),
+            "wq_spec": str(model.module.layers.wq[...].sharding.spec),
+        })
+    tp4 = shard_model(base, make_mesh(tp=4))
+    out["layer_collectives_tp4"] = layer_collectives(tp4)
+    out["forward_collectives_tp4"] = forward_collectives(tp4)
+    out["cache_spec_2x2"] = prefill_cache_spec(shard_model(base, make_mesh(tp=2, dp=2)))
+    out["loading"] = check_sharded_loading()
+    out["pq_attention"] = check_pq_attention()
+    return out
+
+
+def check_sharded_loading() -> dict[str, Any]:
+    """Save a tied-embedding model, export it to HF, and load both with `mesh=`: shards and logits."""
+    from convert.hf_llama import export_ckpt_to_hf
+    from jaxlongctx.checkpoint import save_model
+
+    model = make_model(TIED)
+    ids, mask = sample_inputs(TIED)
+    want = np.asarray(model(ids, mask))
+    mesh = make_mesh(tp=2, dp=2)
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = save_model(model.module, Path(tmp) / "ckpt")
+        hf = export_ckpt_to_hf(ckpt, Path(tmp) / "hf")
+        for name, path in (("checkpoint", ckpt), ("hf", hf)):
+            loaded = jaxlongctx.load(path, mesh=mesh)
+            result[name] = {
+                "embed_spec": str(loaded.module.embed[...].sharding.spec),
+                "w_down_spec": str(loaded.module.layers.w_down[...].sharding.spec),
+                "embed_shard_shape": list(loaded.module.embed[...].addressable_shards[0].data.shape),
+                "logit_max_diff": float(np.abs(np.asarray(loaded(ids, mask)) - want).max()),
+            }
+    return result
+
+
+def check_pq_attention() -> dict[str, Any]:
+    """The PQ decode kernel under shard_map on a 2x2 mesh (kv heads over tp, batch over dp) vs one device."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxlongctx.parallel import sharded_pq_decode_attention
+
+    rng = np.random.default_rng(0)
+    b, kv, group, hd, ds, cap, window, cents = 4, 4, 2, 16, 2, 24, 4, 16
+    m = hd // ds
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    codes = lambda: rng.integers(0, cents, (b, kv, cap, m)).astype(np.uint8)  # noqa: E731
+    host = (normal(b, kv * group, hd), codes(), codes(), normal(kv, m, cents, ds), normal(kv, m, cents, ds),
+            np.array([0, 7, 24, 13], np.int32), normal(b, kv, window, hd), normal(b, kv, window, hd),
+            np.array([1, 4, 2, 3], np.int32))
+    mesh = make_mesh(tp=2, dp=2)
+    specs = (P("dp", "tp", None), P("dp", "tp", None, None), P("dp", "tp", None, None),
+             P("tp", None, None, None), P("tp", None, None, None), P("dp"), P("dp", "tp", None, None),
+             P("dp", "tp", None, None), P("dp"))
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(host, specs)]
+    out: dict[str, Any] = {}
+    for backend in ("xla", "interpret"):
+        fn = jax.jit(lambda *a, be=backend: sharded_pq_decode_attention(*a, hd ** -0.5, backend=be))
+        want = np.asarray(fn(*[jnp.asarray(x) for x in host]))  # no mesh: the kernel called directly
+        got = fn(*placed)
+        hlo = fn.lower(*placed).compile().as_text()
+        out[backend] = {"max_diff": float(np.abs(np.asarray(got) - want).max()), "out_spec": str(got.sharding.spec),
+                        "collectives": sum(len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in COLLECTIVES)}
+    return out
+
+
+def run_armt() -> dict[str, Any]:
+    """ARMT sequential and diagonal schedules with the base model on a tp=2 mesh vs one device."""
+    from jaxlongctx.armt.config import ARMTConfig
+
+    base, armt_cfg = make_model(), ARMTConfig(segment_size=8, num_mem_tokens=4, d_mem=8)
+    ids = np.random.default_rng(0).integers(3, CFG.vocab_size, (2, 20)).astype(np.int32)
+    plain = base.with_armt(armt_cfg, jax.random.key(0))
+    sharded = shard_model(base, make_mesh(tp=2)).with_armt(armt_cfg, jax.random.key(0))
+    return {schedule: float(np.abs(np.asarray(sharded.run(ids, schedule=schedule)[0])
+                                   - np.asarray(plain.run(ids, schedule=schedule)[0])).max())
+            for schedule in ("sequential", "diagonal")}
+
+
+def run_process(port: int, nproc: int, rank: int, ckpt: str) -> dict[str, Any]:
+    """One process of a multi-process run: load `ckpt` with tp over every process's devices (each
+    process restoring only its shards), then logits + greedy tokens."""
+    from jaxlongctx.distributed import initialize
+
+    address = f"127.0.0.1:{port}"
+    initialize(address, nproc, rank, bind_address=address, timeout_s=120)
+    model = jaxlongctx.load(ckpt, mesh=make_mesh(tp=len(jax.devices())))
+    ids, mask = sample_inputs()
+    logits = np.asarray(model(ids, mask))
+    tokens = jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
+    return {"process": jax.process_index(), "global_devices": len(jax.devices()),
+            "local_devices": len(jax.local_devices()), "logits": logits.tolist(), "tokens": tokens.tolist(),
+            "wq_local_shape": list(model.module.layers.wq[...].addressable_shards[0].data.shape)}
+
+
+def main(argv: list[str]) -> None:
+    """Dispatch a worker command and write its JSON result."""
+    if argv[0] == "meshes":
+        result, out = run_meshes(), argv[1]
+    elif argv[0] == "armt":
+        result, out = run_armt(), argv[1]
+    elif argv[0] == "process":
+        port, nproc, rank = (int(x) for x in argv[1:4])
+        result, out = run_process(port, nproc, rank, argv[4]), argv[5]
+    else:
+        raise SystemExit(f"unknown command {argv[0]!r}")
+    Path(out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

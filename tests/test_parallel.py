@@ -1,0 +1,165 @@
+"""Tensor/data parallelism on fake CPU devices: the same numbers as one device, 1/tp of the memory.
+
+The multi-device checks run in subprocesses (tests/parallel_worker.py) because this pytest process
+has already initialised JAX with a single CPU device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.parallel import add_parallel_arguments, check_divisible, make_mesh, mesh_from_args, param_shardings
+
+WORKER = Path(__file__).parent / "parallel_worker.py"
+TOLERANCE = 1e-4
+
+
+def _worker_env(devices: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def meshes(tmp_path_factory) -> dict:
+    """Results of every single-process mesh check (one 8-device subprocess)."""
+    out = tmp_path_factory.mktemp("tp") / "meshes.json"
+    proc = subprocess.run([sys.executable, str(WORKER), "meshes", str(out)], env=_worker_env(8),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _mesh_ids(meshes: dict) -> list[str]:
+    return [f"dp{m['dp']}xtp{m['tp']}" for m in meshes["meshes"]]
+
+
+def test_logits_and_greedy_tokens_match_one_device(meshes):
+    for name, m in zip(_mesh_ids(meshes), meshes["meshes"]):
+        assert m["logit_max_diff"] <= TOLERANCE, (name, m)
+        assert m["tokens_equal"], name
+    assert [(m["tp"], m["dp"]) for m in meshes["meshes"]] == [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2)]
+
+
+def test_per_device_parameter_bytes_divide_by_tp(meshes):
+    total = meshes["total_param_bytes"]
+    for m in meshes["meshes"]:
+        replicated = m["replicated_param_bytes"] if m["tp"] > 1 else 0  # norms and the output bias
+        assert m["device0_param_bytes"] == (total - replicated) // m["tp"] + replicated, m
+        assert replicated < total / 100
+
+
+def test_one_layer_has_exactly_two_all_reduces(meshes):
+    assert meshes["layer_collectives_tp4"] == {"all-reduce": 2, "all-gather": 0, "reduce-scatter": 0,
+                                               "all-to-all": 0, "collective-permute": 0}
+
+
+def test_forward_reduces_once_per_pair_and_gathers_only_logits(meshes):
+    got = meshes["forward_collectives_tp4"]
+    assert got["all-reduce"] == 3  # vocab-parallel embedding + the two pairs in the scanned layer body
+    assert got["all_gather_shapes"] == ["f32[4,9,128]"]  # the logits [B, T, V]; no weight is gathered
+    assert got["reduce-scatter"] == got["all-to-all"] == got["collective-permute"] == 0
+
+
+def test_kv_cache_is_sharded_over_kv_heads_and_batch(meshes):
+    assert meshes["cache_spec_2x2"] == "P(None, 'dp', None, 'tp', None)"
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "hf"])
+def test_load_restores_into_shards(meshes, source):
+    got = meshes["loading"][source]
+    assert got["embed_spec"] == "P('tp', None)" and got["embed_shard_shape"] == [64, 64]
+    assert got["w_down_spec"] == "P(None, 'tp', None)"
+    assert got["logit_max_diff"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_pq_kernel_runs_per_kv_head_shard(meshes, backend):
+    got = meshes["pq_attention"][backend]
+    assert got["max_diff"] <= 1e-5 and got["out_spec"] == "P('dp', 'tp', None)" and got["collectives"] == 0
+
+
+@pytest.mark.slow
+def test_armt_schedules_on_a_tp_mesh(tmp_path):
+    out = tmp_path / "armt.json"
+    proc = subprocess.run([sys.executable, str(WORKER), "armt", str(out)], env=_worker_env(2),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    diffs = json.loads(out.read_text())
+    assert diffs["sequential"] <= TOLERANCE and diffs["diagonal"] <= TOLERANCE, diffs
+
+
+def test_two_processes_match_one(tmp_path):
+    from parallel_worker import make_model, reference
+
+    from jaxlongctx.checkpoint import save_model
+
+    ckpt = save_model(make_model().module, tmp_path / "ckpt")
+    port = _free_port()
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "process", str(port), "2", str(r), str(ckpt),
+                               str(outs[r])],
+                              env=_worker_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    ref = reference()
+    for out in outs:
+        got = json.loads(out.read_text())
+        assert got["global_devices"] == 4 and got["local_devices"] == 2
+        assert got["wq_local_shape"] == [2, 64, 16 * 8 // 4]  # [L, D, H*hd / tp]: only this shard was read
+        assert np.abs(np.asarray(got["logits"]) - ref["logits"]).max() <= TOLERANCE
+        np.testing.assert_array_equal(got["tokens"], ref["tokens"])
+
+
+def test_mesh_and_rules_on_one_device():
+    mesh = make_mesh()
+    assert dict(mesh.shape) == {"dp": 1, "tp": 1}
+    cfg = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=4, qkv_bias=True)
+    shardings = param_shardings(cfg, mesh)
+    assert str(shardings["layers"]["wo"].spec) == "P(None, 'tp', None)"
+    assert str(shardings["layers"]["bk"].spec) == "P(None, 'tp')"
+    assert str(shardings["lm_head"].spec) == "P(None, 'tp')"
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        make_mesh(tp=8, dp=2)
+    cfg = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=4,
+                      num_kv_heads=1, head_dim=4)
+    with pytest.raises(ValueError, match="num_kv_heads divisible by 2, got 1.*not replicated"):
+        check_divisible(cfg, AbstractMesh((1, 2), ("dp", "tp")))
+
+
+def test_cli_helpers():
+    p = argparse.ArgumentParser()
+    add_parallel_arguments(p)
+    assert mesh_from_args(p.parse_args([])) is None
+    with pytest.raises(ValueError, match="needs 2 devices"):
+        mesh_from_args(p.parse_args(["--tp", "2"]))
