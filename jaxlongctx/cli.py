@@ -18,10 +18,16 @@ commands:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from jaxlongctx.demo import run_demo
+    from jaxlongctx.demo import DEFAULT_CONFIG, run_demo
     from jaxlongctx.loading import load
+    from jaxlongctx.model.model import Model
+    from jaxlongctx.parallel import mesh_from_args, shard_model
 
-    model = load(args.ckpt, args.dtype) if args.ckpt else None
+    mesh = mesh_from_args(args)
+    if args.ckpt:
+        model = load(args.ckpt, args.dtype, mesh=mesh)
+    else:
+        model = shard_model(Model.init(DEFAULT_CONFIG), mesh) if mesh else None
     result = run_demo(model, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, seed=args.seed)
     if args.json:
         print(json.dumps(result))
@@ -34,7 +40,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from jaxlongctx.generate import generate
     from jaxlongctx.loading import load
 
-    model = load(args.ckpt, args.dtype)
+    from jaxlongctx.parallel import mesh_from_args
+
+    model = load(args.ckpt, args.dtype, mesh=mesh_from_args(args))
     if (args.prompt is None) == (args.ids is None):
         raise ValueError("give exactly one of --prompt TEXT or --ids '1 2 3'")
     if args.prompt is not None:
@@ -64,6 +72,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from jaxlongctx.parallel import add_parallel_arguments
+
     p = argparse.ArgumentParser(prog="jaxlongctx", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -77,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="also print the measurements as one JSON line")
+    add_parallel_arguments(d)
     d.set_defaults(func=_cmd_demo)
 
     g = sub.add_parser("generate", help="generate from a checkpoint or HF directory",
@@ -91,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
+    add_parallel_arguments(g)
     g.set_defaults(func=_cmd_generate)
 
     c = sub.add_parser("convert", help="import a HF model (safetensors) or export ours to HF",
