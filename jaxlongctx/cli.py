@@ -10,25 +10,35 @@ from typing import Any
 DESCRIPTION = """jaxlongctx: long-context Llama inference in JAX.
 
 commands:
-  demo       run a long prompt through prefill and decode on the embedded default model
-             (or --ckpt), printing tokens/s, peak memory and the generated ids
-  generate   generate text or ids from a checkpoint or HF model directory
-  convert    import a HF Llama/Mistral/Qwen2/Qwen3 model (safetensors) or export one back
+  demo        long-context showcase on the embedded default model (or --ckpt)
+  generate    generate text or ids from a checkpoint or HF model directory
+              (dense or PQ KV cache, or ARMT with --armt-segment/--armt-mem)
+  convert     import a HF Llama/Mistral/Qwen2/Qwen3 model (safetensors) or export one back
+  calibrate   train PQ (MILLION) codebooks for a model's keys and values
+  eval-ppl    perplexity on held-out text, optionally with fake-quantized K/V
+  train-lm    pretrain a small Llama on the built-in corpus
+  train-armt  fine-tune ARMT memory on the long-context retrieval task
 """
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from jaxlongctx.demo import DEFAULT_CONFIG, run_demo
+    from jaxlongctx.demo import BASE_MODEL, run_demo
     from jaxlongctx.loading import load
-    from jaxlongctx.model.model import Model
-    from jaxlongctx.parallel import mesh_from_args, shard_model
+    from jaxlongctx.parallel import mesh_from_args
 
     mesh = mesh_from_args(args)
-    if args.ckpt:
-        model = load(args.ckpt, args.dtype, mesh=mesh)
-    else:
-        model = shard_model(Model.init(DEFAULT_CONFIG), mesh) if mesh else None
-    result = run_demo(model, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, seed=args.seed)
+    base = load(args.ckpt or BASE_MODEL, args.dtype or "fp32", mesh=mesh)
+    armt = load(args.armt_ckpt, args.dtype or "fp32") if args.armt_ckpt else None
+    codebooks = None
+    if args.codebooks:
+        from jaxlongctx.kvcache.calibrate import load_codebooks_for
+
+        codebooks = load_codebooks_for(base, args.codebooks)
+    for name in ("context", "samples", "prompt_tokens", "new_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    result = run_demo(base=base, armt=armt, codebooks=codebooks, context=args.context, samples=args.samples,
+                      prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     if args.json:
         print(json.dumps(result))
     return 0
@@ -39,10 +49,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from jaxlongctx.generate import generate
     from jaxlongctx.loading import load
-
+    from jaxlongctx.model.model import Model
     from jaxlongctx.parallel import mesh_from_args
+    from jaxlongctx.pq_generate import cache_stats, kv_cache_kwargs
 
     model = load(args.ckpt, args.dtype, mesh=mesh_from_args(args))
+    kwargs = kv_cache_kwargs(args, model)
+    if (args.armt_segment is None) != (args.armt_mem is None):
+        raise ValueError("--armt-segment and --armt-mem go together")
+    if args.armt_segment is not None:
+        if not isinstance(model, Model):
+            raise ValueError(f"{args.ckpt} is already an ARMT model; drop --armt-segment/--armt-mem")
+        if kwargs:
+            raise ValueError("--kv-cache pq applies to full-attention models, not with --armt-segment")
+        import jax
+
+        from jaxlongctx.armt import ARMTConfig
+
+        model = model.with_armt(ARMTConfig(args.armt_segment, args.armt_mem), jax.random.key(args.seed))
     if (args.prompt is None) == (args.ids is None):
         raise ValueError("give exactly one of --prompt TEXT or --ids '1 2 3'")
     if args.prompt is not None:
@@ -55,7 +79,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--ids must be integers separated by spaces or commas, got {args.ids!r}") from None
     out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, progress=True)
+                   top_p=args.top_p, seed=args.seed, progress=True, **kwargs)
+    if args.stats:
+        print(json.dumps(cache_stats(model, kwargs, out.shape[1], out.shape[0])), file=sys.stderr)
     new = out[0, ids.shape[1]:].tolist()
     if model.tokenizer is not None:
         print(model.tokenizer.decode(new))
@@ -70,22 +96,45 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _command(func_path: str) -> Any:
+    """A subcommand handler that imports `module:function` on use and runs it with the parsed args."""
+    module, name = func_path.split(":")
+
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        getattr(importlib.import_module(module), name)(args)
+        return 0
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from jaxlongctx.kv_quality import add_eval_kv_arguments
+    from jaxlongctx.kvcache.calibrate import add_calibrate_arguments
     from jaxlongctx.parallel import add_parallel_arguments
+    from jaxlongctx.pq_generate import add_kv_cache_arguments
+    from jaxlongctx.train.armt_finetune import add_train_armt_arguments
+    from jaxlongctx.train.evaluate import add_eval_ppl_arguments
+    from jaxlongctx.train.lm import add_train_lm_arguments
 
     p = argparse.ArgumentParser(prog="jaxlongctx", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="long-prompt prefill + decode on the embedded default model",
-                       description="Prefill a long prompt and decode greedily; prints tokens/s, peak memory "
-                                   "and the generated ids.")
-    d.add_argument("--ckpt", help="checkpoint or HF directory (default: the embedded default model)")
-    d.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)")
-    d.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length in tokens (default 8192)")
+    d = sub.add_parser("demo", help="long-context showcase on the embedded default models",
+                       description="Answer a haystack question with ARMT (diagonal schedule), time ARMT "
+                                   "(diagonal, sequential) against full attention, decode after a long prompt with "
+                                   "the dense and PQ KV caches, and print the memory of each.")
+    d.add_argument("--ckpt", help="full-attention base model (default: the shipped one)")
+    d.add_argument("--armt-ckpt", help="ARMT checkpoint (default: the shipped one)")
+    d.add_argument("--codebooks", help="PQ codebooks for --ckpt (default: the shipped ones for the shipped model)")
+    d.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default fp32)")
+    d.add_argument("--context", type=int, default=16384, help="haystack length in tokens (default 16384)")
+    d.add_argument("--samples", type=int, default=4, help="haystack samples for the accuracy (default 4)")
+    d.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length for decoding (default 8192)")
     d.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="also print the measurements as one JSON line")
     add_parallel_arguments(d)
     d.set_defaults(func=_cmd_demo)
@@ -102,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
+    g.add_argument("--armt-segment", type=int, default=None,
+                   help="run the model as ARMT with this segment size (fresh memory unless the checkpoint has it)")
+    g.add_argument("--armt-mem", type=int, default=None, help="ARMT memory tokens per segment")
+    add_kv_cache_arguments(g)
     add_parallel_arguments(g)
     g.set_defaults(func=_cmd_generate)
 
@@ -112,6 +165,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(c)
     c.set_defaults(func=_cmd_convert)
+
+    cal = sub.add_parser("calibrate", help="train PQ codebooks for a model's post-RoPE keys and values",
+                         description="Run the model over calibration text, collect post-RoPE keys and values, and "
+                                     "train product-quantization codebooks with k-means.")
+    add_calibrate_arguments(cal)
+    cal.set_defaults(func=_command("jaxlongctx.kvcache.calibrate:run_calibrate"))
+
+    e = sub.add_parser("eval-ppl", help="perplexity on a corpus split, optionally with quantized K/V",
+                       description="Perplexity of a model on held-out text; --kv fake-quantizes every token's "
+                                   "keys and values (pq, int4, int2) to measure the cache's quality loss.")
+    add_eval_ppl_arguments(e)
+    add_eval_kv_arguments(e)
+    e.set_defaults(func=_command("jaxlongctx.kv_quality:run_eval_kv"))
+
+    t = sub.add_parser("train-lm", help="pretrain a small Llama on the built-in corpus",
+                       description="Pretrain (or resume) a small Llama with AdamW on the built-in corpus; "
+                                   "checkpoints, validation perplexity and a loss-curve PNG go to --out.")
+    add_train_lm_arguments(t)
+    t.set_defaults(func=_command("jaxlongctx.train.lm:run_train_lm"))
+
+    a = sub.add_parser("train-armt", help="fine-tune ARMT on the long-context retrieval task",
+                       description="Fine-tune ARMT memory (and optionally the base weights) through the diagonal "
+                                   "schedule with a curriculum over the number of segments.")
+    add_train_armt_arguments(a)
+    a.set_defaults(func=_command("jaxlongctx.train.armt_finetune:run_train_armt"))
     return p
 
 

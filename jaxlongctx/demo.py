@@ -1,23 +1,32 @@
-"""`jaxlongctx demo`: a long prompt through prefill and decode on a small embedded default model."""
+"""`jaxlongctx demo`: the library's long-context story on the embedded default models.
+
+With no arguments it uses the shipped models (trained here on the built-in corpus):
+1. builds a fresh haystack of `--context` tokens (16K by default) and answers its question with
+   ARMT on the diagonal schedule; accuracy over a handful of held-out samples;
+2. times one forward over the haystack with ARMT (diagonal and sequential) and full attention;
+3. prefills a long prompt (>= 8K tokens) into the full-attention model and decodes greedily with
+   the dense and the PQ (MILLION) KV cache: tokens/s, peak memory, generated ids;
+4. prints the memory each approach needs at this length.
+"""
 
 from __future__ import annotations
 
 import resource
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from jaxlongctx.config import ModelConfig
+from jaxlongctx.data.haystack import CODE_DIGITS, eval_seed, make_sample
 from jaxlongctx.generate import generate
 from jaxlongctx.kvcache.dense import dense_cache_bytes
-from jaxlongctx.model.model import Model
 
-# The embedded default: a small GQA Llama (random weights) that fits the demo in seconds on 2 cores.
-DEFAULT_CONFIG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4,
-                             num_heads=8, num_kv_heads=2, head_dim=32, rope_theta=500000.0,
-                             max_position_embeddings=65536, eos_token_id=2)
+ASSETS = Path(__file__).resolve().parent / "assets"
+BASE_MODEL = ASSETS / "base_model"
+ARMT_MODEL = ASSETS / "armt_model"
+BASE_CODEBOOKS = ASSETS / "base_model_pq_ds2"
 
 
 def peak_rss_mib() -> float:
@@ -25,42 +34,111 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_demo(model: Model | None = None, *, prompt_tokens: int = 8192, new_tokens: int = 32,
-             seed: int = 0, echo: Any = print) -> dict[str, Any]:
-    """Prefill a long random prompt and decode greedily; prints and returns the measurements."""
-    if model is None:
-        echo(f"model: embedded default (random weights) {DEFAULT_CONFIG.num_layers} layers, "
-             f"d {DEFAULT_CONFIG.hidden_size}, {DEFAULT_CONFIG.num_heads} heads / "
-             f"{DEFAULT_CONFIG.num_kv_heads} kv heads, vocab {DEFAULT_CONFIG.vocab_size}")
-        model = Model.init(DEFAULT_CONFIG, seed=seed)
-    cfg = model.config
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(3, cfg.vocab_size, (1, prompt_tokens), dtype=np.int32)
-    echo(f"prompt: {prompt_tokens} tokens, generating {new_tokens} greedily on {jax.default_backend()}")
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    generate(model, ids, 1)  # compiles prefill + decode step, runs the prefill once
-    compile_and_first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    generate(model, ids, 1)
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = generate(model, ids, new_tokens, eos_id=-1)
-    total_s = time.perf_counter() - t0
-    decode_s = max(total_s - prefill_s, 1e-9)
-    result = {
-        "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-        "compile_and_first_call_s": compile_and_first,
-        "prefill_tokens_per_s": prompt_tokens / prefill_s,
-        "decode_tokens_per_s": (new_tokens - 1) / decode_s,
-        "peak_rss_mib": peak_rss_mib(),
-        "kv_cache_mib_bf16": dense_cache_bytes(cfg, prompt_tokens + new_tokens) / 2**20,
-        "generated_ids": out[0, prompt_tokens:].tolist(),
-    }
-    echo(f"compile + first call: {compile_and_first:.2f} s")
-    echo(f"prefill: {result['prefill_tokens_per_s']:,.0f} tokens/s ({prefill_s:.2f} s)")
-    echo(f"decode:  {result['decode_tokens_per_s']:,.1f} tokens/s")
-    echo(f"peak memory (RSS): {result['peak_rss_mib']:,.0f} MiB; "
-         f"dense KV cache at this length (bf16): {result['kv_cache_mib_bf16']:.1f} MiB")
-    echo(f"generated ids: {result['generated_ids']}")
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def retrieval(armt: Any, context: int, samples: int, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Answer `samples` held-out haystack questions of `context` tokens with ARMT (diagonal schedule)."""
+    tok = armt.tokenizer
+    rows = []
+    for i in range(samples):
+        s = make_sample(eval_seed(i), context, tok, num_facts=1)
+        out, secs = _timed(lambda: generate(armt, s.ids[None], CODE_DIGITS, eos_id=-1))
+        pred = out[0, context:]
+        hit = pred == s.answer_ids
+        rows.append({"exact": bool(hit.all()), "digits": int(hit.sum()), "seconds": secs})
+        if i == 0:
+            echo(f"  question: ...{s.question.strip()!r}")
+            echo(f"  ARMT answer: {tok.decode(pred.tolist())!r}   truth: {s.answer!r}   ({secs:.1f} s incl. compile)")
+    exact = sum(r["exact"] for r in rows) / samples
+    digits = sum(r["digits"] for r in rows) / (samples * CODE_DIGITS)
+    echo(f"  accuracy over {samples} samples: exact {exact:.0%} (chance {10.0 ** -CODE_DIGITS:.2%}), "
+         f"per digit {digits:.0%} (chance 10%)")
+    return {"exact_match": exact, "digit_accuracy": digits, "samples": samples}
+
+
+def schedule_times(armt: Any, base: Any, context: int, echo: Callable[[str], None]) -> dict[str, float]:
+    """Seconds for one forward over `context` tokens: ARMT diagonal / sequential, full attention."""
+    ids = np.random.default_rng(0).integers(3, base.config.vocab_size, (1, context)).astype(np.int32)
+    runs = {"armt_diagonal": lambda: armt(ids, schedule="diagonal"),
+            "armt_sequential": lambda: armt(ids, schedule="sequential"),
+            "full_attention": lambda: base(ids)}
+    times = {}
+    for name, fn in runs.items():
+        _, first = _timed(fn)
+        _, times[name] = _timed(fn)
+        echo(f"  {name:16s} {times[name]:7.2f} s   (first call incl. compile {first:.1f} s)")
+    echo(f"  diagonal vs sequential: x{times['armt_sequential'] / times['armt_diagonal']:.2f}; "
+         f"ARMT diagonal vs full attention: x{times['full_attention'] / times['armt_diagonal']:.2f}")
+    return times
+
+
+def decode_speed(base: Any, prompt_tokens: int, new_tokens: int, echo: Callable[[str], None],
+                 **cache: Any) -> dict[str, Any]:
+    """Prefill `prompt_tokens` and decode `new_tokens` greedily; tokens/s of each phase."""
+    ids = np.random.default_rng(1).integers(3, base.config.vocab_size, (1, prompt_tokens)).astype(np.int32)
+    _timed(lambda: generate(base, ids, 2, eos_id=-1, **cache))  # compile prefill and step
+    _, prefill_s = _timed(lambda: generate(base, ids, 1, eos_id=-1, **cache))
+    out, total_s = _timed(lambda: generate(base, ids, new_tokens + 1, eos_id=-1, **cache))
+    result = {"prefill_tokens_per_s": prompt_tokens / prefill_s,
+              "decode_tokens_per_s": new_tokens / max(total_s - prefill_s, 1e-9),
+              "generated_ids": out[0, prompt_tokens:].tolist()}
+    name = cache.get("kv_cache", "dense")
+    echo(f"  {name:5s} cache: prefill {result['prefill_tokens_per_s']:8,.0f} tok/s, "
+         f"decode {result['decode_tokens_per_s']:6.1f} tok/s; ids {result['generated_ids'][:12]}...")
+    return result
+
+
+def run_demo(*, base: Any = None, armt: Any = None, codebooks: Any = None, context: int = 16384,
+             samples: int = 4, prompt_tokens: int = 8192, new_tokens: int = 32,
+             echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the four demo parts (see module docstring); prints and returns the measurements."""
+    from jaxlongctx.armt import ARMTModel
+    from jaxlongctx.kvcache.calibrate import load_codebooks_for
+    from jaxlongctx.loading import load
+
+    base = base if base is not None else load(BASE_MODEL, "fp32")
+    armt = armt if armt is not None else load(ARMT_MODEL, "fp32")
+    if not isinstance(armt, ARMTModel):
+        raise ValueError(f"the ARMT checkpoint holds a {type(armt).__name__}, not an ARMT model")
+    if armt.tokenizer is None:
+        armt.tokenizer = base.tokenizer
+    if codebooks is None and BASE_CODEBOOKS.exists():
+        codebooks = load_codebooks_for(base, BASE_CODEBOOKS)
+    cfg, a = base.config, armt.armt
+    echo(f"models: {cfg.num_layers}-layer Llama (d {cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
+         f"vocab {cfg.vocab_size}, trained context {cfg.max_position_embeddings}); ARMT segment {a.segment_size}, "
+         f"{a.num_mem_tokens} memory tokens, d_mem {a.d_mem}; backend {jax.default_backend()}")
+    result: dict[str, Any] = {"context": context}
+
+    echo(f"\n[1] haystack retrieval at {context:,} tokens (ARMT, diagonal schedule)")
+    result["retrieval"] = retrieval(armt, context, samples, echo)
+
+    echo(f"\n[2] one forward over {context:,} tokens")
+    result["seconds"] = schedule_times(armt, base, context, echo)
+
+    echo(f"\n[3] full-attention generation after a {prompt_tokens:,}-token prompt ({new_tokens} new tokens)")
+    result["dense"] = decode_speed(base, prompt_tokens, new_tokens, echo)
+    if codebooks is not None:
+        result["pq"] = decode_speed(base, prompt_tokens, new_tokens, echo, kv_cache="pq", codebooks=codebooks)
+
+    echo(f"\n[4] memory at {context:,} tokens")
+    from jaxlongctx.kvcache.codebooks import cache_bytes
+
+    mem = {"armt_state": armt.state_bytes(), "dense_kv_bf16": dense_cache_bytes(cfg, context)}
+    if codebooks is not None:
+        mem["pq_kv"] = cache_bytes(context, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, codebooks.ds,
+                                   codebooks.bits, 128, granularity=codebooks.granularity)["total_bytes"]
+    for name, n in mem.items():
+        echo(f"  {name:14s} {_mib(n):>12s}   (dense / this: x{mem['dense_kv_bf16'] / n:.1f})")
+    result["memory_bytes"] = mem
+    result["peak_rss_mib"] = peak_rss_mib()
+    echo(f"  peak process memory (RSS): {result['peak_rss_mib']:,.0f} MiB")
     return result

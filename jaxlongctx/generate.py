@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxlongctx.config import eos_ids
+from jaxlongctx.config import ModelConfig, eos_ids
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.llama import decode_hidden, forward_hidden
 from jaxlongctx.model.model import Model
@@ -43,16 +44,76 @@ def _prefill(model: Model, capacity: int, params, ids, mask):
     return logits, DenseCache.from_prefill(k, v, mask, capacity)
 
 
+def choose_next(sampler: tuple, eos: tuple[int, ...], pad_id: int, logits: jnp.ndarray, key: jax.Array,
+                done: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Next ids `[B]` from logits `[B, V]`; stopped rows emit `pad_id`; returns (ids, updated done)."""
+    tok = jnp.where(done, pad_id, select_next(logits, key, *sampler))
+    return tok, (done | jnp.isin(tok, jnp.asarray(eos, jnp.int32))) if eos else done
+
+
 def _decode_step(model: Model, sampler: tuple, eos: tuple[int, ...], pad_id: int,
                  params, cache: DenseCache, logits, key, done, positions, slot):
     """Choose the next token from `logits`, then run it through the model at cache `slot`."""
-    tok = select_next(logits, key, *sampler)
-    tok = jnp.where(done, pad_id, tok)
-    done = done | jnp.isin(tok, jnp.asarray(eos, jnp.int32)) if eos else done
+    tok, done = choose_next(sampler, eos, pad_id, logits, key, done)
     module = model.merge(params)
     key_valid = cache.key_valid | (jnp.arange(cache.capacity) == slot)  # mark `slot` (keeps sharding)
     h, k, v = decode_hidden(module, tok[:, None], positions[:, None], slot, cache.k, cache.v, key_valid)
     return tok, done, module.head(h)[:, 0], DenseCache(k, v, key_valid)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated generation request (shared by the dense, PQ and ARMT decoders)."""
+
+    ids: np.ndarray  # [B, T] int32
+    mask: np.ndarray  # [B, T] bool
+    max_new_tokens: int
+    sampler: tuple  # (temperature, top_k, top_p)
+    eos: tuple[int, ...]
+    pad_id: int
+    seed: int
+
+    @classmethod
+    def parse(cls, config: ModelConfig, ids: Any, max_new_tokens: int, *, temperature: float, top_k: int | None,
+              top_p: float | None, seed: int, eos_id: int | list[int] | None, attention_mask: Any) -> Request:
+        """Check every argument (clear ValueErrors) and resolve eos / padding ids."""
+        ids = check_ids(ids, config.vocab_size)
+        mask = check_mask(attention_mask, ids)
+        max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
+        sampler = check_sampler(temperature, top_k, top_p, config.vocab_size)
+        eos = tuple(np.atleast_1d(eos_id).tolist()) if eos_id is not None else eos_ids(config)
+        pad_id = eos[0] if eos else (config.pad_token_id or 0)
+        return cls(ids, mask, max_new_tokens, sampler, eos, pad_id, seed)
+
+    @property
+    def static_key(self) -> tuple:
+        """The settings the jitted step depends on."""
+        return self.sampler, self.eos, self.pad_id
+
+    def padded_prompt(self) -> tuple[np.ndarray, np.ndarray]:
+        """ids and mask right-padded to a compile bucket, `[B, bucket_length(T)]`."""
+        b, t = self.ids.shape
+        width = bucket_length(t)
+        ids = np.zeros((b, width), np.int32)
+        mask = np.zeros((b, width), bool)
+        ids[:, :t], mask[:, :t] = self.ids, self.mask
+        return ids, mask
+
+    def decode(self, logits: jnp.ndarray, state: Any, step: Callable, *, progress: bool = False,
+               desc: str = "decode") -> np.ndarray:
+        """Run `step(state, logits, key, done, i) -> (ids, done, logits, state)` up to `max_new_tokens`
+        times (stopping early once every row is done); returns ids `[B, T + new]`."""
+        done = jnp.zeros((self.ids.shape[0],), bool)
+        keys = jax.random.split(jax.random.key(self.seed), self.max_new_tokens)
+        out = []
+        for i in tqdm(range(self.max_new_tokens), desc=desc, unit="tok", disable=not progress):
+            tok, done, logits, state = step(state, logits, keys[i], done, i)
+            out.append(tok)
+            if (i + 1) % _ALL_DONE_CHECK_EVERY == 0 and bool(done.all()):
+                break
+        new = np.stack([np.asarray(x) for x in out], axis=1)
+        new = np.pad(new, ((0, 0), (0, self.max_new_tokens - new.shape[1])), constant_values=self.pad_id)
+        return np.concatenate([self.ids, new], axis=1)
 
 
 def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
@@ -76,39 +137,21 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
                                   seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress)
     if not isinstance(model, Model):
         raise ValueError(f"generate() needs a jaxlongctx Model, got {type(model).__name__}")
-    cfg = model.config
-    ids = check_ids(ids, cfg.vocab_size)
-    mask = check_mask(attention_mask, ids)
-    max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
-    sampler = check_sampler(temperature, top_k, top_p, cfg.vocab_size)
-    eos = tuple(np.atleast_1d(eos_id).tolist()) if eos_id is not None else eos_ids(cfg)
-    pad_id = eos[0] if eos else (cfg.pad_token_id or 0)
-    b, t = ids.shape
-    model.check_length(t + max_new_tokens)
-
-    prompt_len = bucket_length(t)
-    ids_p = np.zeros((b, prompt_len), np.int32)
-    ids_p[:, :t] = ids
-    mask_p = np.zeros((b, prompt_len), bool)
-    mask_p[:, :t] = mask
-    capacity = bucket_length(prompt_len + max_new_tokens)
-    prefill, step = _compiled(model, capacity, sampler, eos, pad_id)
+    req = Request.parse(model.config, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=seed, eos_id=eos_id, attention_mask=attention_mask)
+    model.check_length(req.ids.shape[1] + req.max_new_tokens)
+    ids_p, mask_p = req.padded_prompt()
+    prompt_len = ids_p.shape[1]
+    capacity = bucket_length(prompt_len + req.max_new_tokens)
+    prefill, step = _compiled(model, capacity, *req.static_key)
 
     logits, cache = prefill(model.params, put_batch(ids_p, model.mesh), put_batch(mask_p, model.mesh))
-    positions = jnp.asarray(mask.sum(axis=1), jnp.int32)
-    done = jnp.zeros((b,), bool)
-    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
-    out = []
-    for i in tqdm(range(max_new_tokens), desc="decode", unit="tok", disable=not progress):
-        tok, done, logits, cache = step(model.params, cache, logits, keys[i], done, positions + i,
-                                        jnp.int32(prompt_len + i))
-        out.append(tok)
-        if (i + 1) % _ALL_DONE_CHECK_EVERY == 0 and bool(done.all()):
-            break
-    new = np.stack([np.asarray(x) for x in out], axis=1)
-    if new.shape[1] < max_new_tokens:
-        new = np.pad(new, ((0, 0), (0, max_new_tokens - new.shape[1])), constant_values=pad_id)
-    return np.concatenate([ids, new], axis=1)
+    positions = jnp.asarray(req.mask.sum(axis=1), jnp.int32)
+
+    def run(cache, logits, key, done, i):
+        return step(model.params, cache, logits, key, done, positions + i, jnp.int32(prompt_len + i))
+
+    return req.decode(logits, cache, run, progress=progress)
 
 
 def check_sampler(temperature: float, top_k: int | None, top_p: float | None, vocab: int) -> tuple:

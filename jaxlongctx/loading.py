@@ -50,8 +50,9 @@ def _restore(ckpt: Path, dtype: jnp.dtype | None, mesh: Mesh | None) -> Llama:
     return load_module(ckpt, dtype, param_shardings(config, mesh))
 
 
-def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> Model:
-    """Load a model from our checkpoint or a HF model directory (converted on the fly).
+def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> Any:
+    """Load a model from our checkpoint or a HF model directory (converted on the fly);
+    an ARMT checkpoint (written by `ARMTModel.save`) loads as an `ARMTModel`.
 
     `dtype` ('bf16' | 'fp32' | None = as stored) casts the parameters; `mesh` (see
     `jaxlongctx.parallel.make_mesh`) shards them, each process reading only its shards.
@@ -60,6 +61,15 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> Mo
     if not path.is_dir():
         raise ValueError(f"{path}: no such model directory")
     target = parse_dtype(dtype)
+    if is_checkpoint(path) and "armt" in read_metadata(path):
+        if mesh is not None:
+            raise ValueError(f"{path}: loading an ARMT checkpoint onto a mesh is not supported; "
+                             "load the base model with mesh= and wrap it with with_armt instead")
+        from jaxlongctx.armt import ARMTModel  # noqa: PLC0415
+
+        armt = ARMTModel.load(path, target)
+        armt.tokenizer = armt.base.tokenizer = load_tokenizer(path)
+        return armt
     if is_checkpoint(path):
         module = _restore(path, target, mesh)
     elif (path / "config.json").exists():

@@ -18,11 +18,24 @@ def test_help_lists_every_command(capsys):
         assert cmd in out
 
 
-def test_demo_runs_small(capsys):
-    assert main(["demo", "--prompt-tokens", "256", "--new-tokens", "4", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(result["generated_ids"]) == 4
-    assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+def test_demo_runs_end_to_end_on_shipped_models(capsys):
+    args = ["demo", "--context", "640", "--samples", "1", "--prompt-tokens", "300", "--new-tokens", "3", "--json"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "ARMT answer:" in out
+    assert 0 <= result["retrieval"]["digit_accuracy"] <= 1
+    assert set(result["seconds"]) == {"armt_diagonal", "armt_sequential", "full_attention"}
+    for cache in ("dense", "pq"):
+        assert len(result[cache]["generated_ids"]) == 4  # new tokens + the one the prefill timing adds
+        assert result[cache]["decode_tokens_per_s"] > 0
+    mem = result["memory_bytes"]
+    assert mem["armt_state"] < mem["dense_kv_bf16"] * 2 and mem["pq_kv"] < mem["dense_kv_bf16"]
+
+
+def test_demo_rejects_bad_sizes(capsys):
+    assert main(["demo", "--context", "0"]) == 2
+    assert "--context must be >= 1" in capsys.readouterr().err
 
 
 def test_generate_ids_and_text(hf_family_dir, tmp_path, capsys):
@@ -42,6 +55,24 @@ def test_generate_ids_and_text(hf_family_dir, tmp_path, capsys):
     tok.save(str(d / "tokenizer.json"))
     assert main(["generate", "--ckpt", str(d), "--prompt", "the code of the box is", "--max-new-tokens", "4"]) == 0
     assert len(capsys.readouterr().out.split()) == 4
+
+
+def test_generate_with_armt_and_pq_options(hf_family_dir, tmp_path, capsys):
+    from jaxlongctx.demo import ARMT_MODEL, BASE_CODEBOOKS, BASE_MODEL
+
+    src, _ = hf_family_dir("llama2")
+    assert main(["generate", "--ckpt", str(src), "--ids", "5 6 7 8 9", "--max-new-tokens", "3",
+                 "--armt-segment", "2", "--armt-mem", "2"]) == 0
+    assert len(capsys.readouterr().out.split()) == 3
+    assert main(["generate", "--ckpt", str(ARMT_MODEL), "--prompt", "The code of the red box is", "--max-new-tokens",
+                 "2"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--ckpt", str(BASE_MODEL), "--ids", "5 6 7", "--max-new-tokens", "2", "--kv-cache", "pq",
+                 "--codebooks", str(BASE_CODEBOOKS), "--stats"]) == 0
+    stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert stats
+    assert main(["generate", "--ckpt", str(src), "--ids", "5", "--kv-cache", "pq"]) == 2
+    assert "--codebooks is needed" in capsys.readouterr().err
 
 
 def test_convert_command_and_errors(hf_family_dir, tmp_path, capsys):

@@ -39,6 +39,7 @@ def _encode_rows(x: jax.Array, centroids: jax.Array, rows: int) -> jax.Array:
     """x[N, D] with centroids[M, C, ds] -> codes[N, M] uint8, in blocks of `rows` rows."""
     n, d = x.shape
     m, c, ds = centroids.shape
+    rows = max(1, min(rows, n))  # a short input is not padded up to a whole block
     steps = -(-n // rows)
     xs = jnp.pad(x, ((0, steps * rows - n), (0, 0))).reshape(steps, rows, m, ds)
     c_sq = jnp.sum(jnp.square(centroids), axis=-1)  # [M, C]

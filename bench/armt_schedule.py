@@ -1,0 +1,161 @@
+"""ARMT schedules vs full attention: wall time against input length, working memory, compile time
+and ramp waste, all measured side by side in one run.
+
+    python -m bench.armt_schedule [--quick]
+
+On CPU: an 8-layer d=256 model, lengths 1K..32K (quick: 1K..8K), segment sizes 128..1024 with
+16..128 memory tokens. With a GPU present the same script runs the GPU sweep unchanged: the
+Llama-3.2-1B shape in bf16, segment 1024, 128 memory tokens, 16K..131K tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import interleaved_times, peak_rss_bytes, plot_path, write_result
+from jaxlongctx.armt import ARMTConfig
+from jaxlongctx.armt.diagonal import computed_cells, empty_pipeline, fixed_buffer_waste, plan, run_block
+from jaxlongctx.armt.segments import Segments
+from jaxlongctx.armt.sequential import zero_state
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.model.model import Model
+
+CPU_MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=688, num_layers=8, num_heads=4,
+                 num_kv_heads=4, head_dim=64)
+# Llama-3.2-1B shape; vocab cut to 8192 so that float32 logits of 131K tokens fit in memory.
+GPU_MODEL = dict(vocab_size=8192, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                 num_kv_heads=8, head_dim=64, rope_theta=500000.0)
+SWEEPS = {
+    "cpu": dict(model=CPU_MODEL, dtype="float32", lengths=[1024, 2048, 4096, 8192, 16384, 32768],
+                armt=[(128, 16), (256, 32), (512, 64), (1024, 128)], repeats=3),
+    "cpu_quick": dict(model=CPU_MODEL, dtype="float32", lengths=[1024, 2048, 4096, 8192],
+                      armt=[(128, 16), (512, 64), (1024, 128)], repeats=3),
+    "gpu": dict(model=GPU_MODEL, dtype="bfloat16", lengths=[16384, 32768, 65536, 131072],
+                armt=[(1024, 128), (512, 128)], repeats=5),
+}
+
+
+def compiled_bytes(jitted: Any, *args: Any) -> int | None:
+    """Arguments + outputs + scratch of one compiled call (None where the backend cannot say)."""
+    stats = jitted.lower(*args).compile().memory_analysis()
+    if stats is None:
+        return None
+    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes)
+
+
+def armt_working_bytes(armt: Any, num_segments: int) -> int | None:
+    """Largest compiled piece of the diagonal schedule for `num_segments` segments (state, pipeline,
+    weights and one chunk of logits included); independent of the input length by construction."""
+    blocks, _ = plan(None, num_segments, True, armt.config.num_layers)
+    pipe = empty_pipeline(armt, zero_state(armt, 1))
+    sizes = []
+    for block in set(blocks):
+        k = block[1] if block[0] == "full" else sum(s[2] for s in block[1])
+        s = armt.armt.segment_size
+        segs = Segments(jnp.zeros((k, 1, s), jnp.int32), jnp.zeros((k, 1), jnp.int32), jnp.zeros((k, 1), bool))
+        sizes.append(compiled_bytes(run_block, armt, block, armt.params, pipe, segs))
+    return None if None in sizes else max(sizes)
+
+
+def run(sweep_name: str) -> dict[str, Any]:
+    """Run one sweep; returns the JSON payload."""
+    sweep = SWEEPS[sweep_name]
+    dtype = jnp.dtype(sweep["dtype"])
+    model = Model.init(ModelConfig(**sweep["model"]), seed=0, dtype=dtype)
+    armts = {}
+    for i, (seg, mem) in enumerate(sweep["armt"]):
+        a = model.with_armt(ARMTConfig(seg, mem), jax.random.key(i))
+        armts[f"{seg}/{mem}"] = a.randomize_memory_params(jax.random.key(100 + i), 0.1)
+    rng = np.random.default_rng(0)
+    L = model.config.num_layers
+    rows = []
+    for length in sweep["lengths"]:
+        ids = rng.integers(0, model.config.vocab_size, (1, length)).astype(np.int32)
+        fns = {"full": lambda: model(ids)}
+        for name, a in armts.items():
+            fns[f"sequential {name}"] = lambda a=a: a(ids, schedule="sequential")
+            fns[f"diagonal {name}"] = lambda a=a: a(ids, schedule="diagonal")
+        times = interleaved_times(fns, repeats=sweep["repeats"])
+        row = {"length": length, "times": times, "full_attention_kv_bytes": armts[next(iter(armts))]
+               .full_attention_kv_bytes(length), "full_forward_bytes": compiled_bytes(
+                   model._forward, model.params, jnp.asarray(ids), jnp.ones(ids.shape, bool))}
+        for name, a in armts.items():
+            n_seg = -(-length // a.armt.segment_size)
+            blocks, _ = plan(None, n_seg, True, L)
+            seq, diag = times[f"sequential {name}"]["median_s"], times[f"diagonal {name}"]["median_s"]
+            row[name] = {
+                "segments": n_seg, "diagonal_vs_sequential": diag / seq,
+                "full_vs_diagonal": times["full"]["median_s"] / diag,
+                "full_vs_best_armt": times["full"]["median_s"] / min(seq, diag),
+                "state_bytes": a.state_bytes(), "diagonal_working_bytes": armt_working_bytes(a, n_seg),
+                "computed_cells": computed_cells(blocks, L), "useful_cells": n_seg * L,
+                "ramp_waste": 1 - n_seg * L / computed_cells(blocks, L),
+                "fixed_buffer_ramp_waste": fixed_buffer_waste(n_seg, L),
+            }
+            print(f"{length:>7} {name:>9}: full {times['full']['median_s']:.3f}s  seq {seq:.3f}s  "
+                  f"diag {diag:.3f}s  diag/seq {diag / seq:.2f}  full/diag {times['full']['median_s'] / diag:.2f}",
+                  flush=True)
+        rows.append(row)
+    summary = {}
+    for name in armts:
+        ratios = [r[name]["diagonal_vs_sequential"] for r in rows]
+        faster = [r["length"] for r in rows if r[name]["full_vs_best_armt"] > 1]
+        first = {k: v["first_call_s"] - v["median_s"] for k, v in rows[0]["times"].items() if name in k}
+        later = {k: max(r["times"][k]["first_call_s"] - r["times"][k]["median_s"] for r in rows[1:])
+                 for k in first} if rows[1:] else {}
+        summary[name] = {"worst_diagonal_vs_sequential": max(ratios), "best_diagonal_vs_sequential": min(ratios),
+                         "armt_faster_than_full_from": faster[0] if faster else None,
+                         "compile_s_first_length": first, "compile_s_later_lengths_max": later}
+    return {"sweep": sweep_name, "config": {**sweep, "model": sweep["model"]}, "rows": rows, "summary": summary,
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+def plot(payload: dict[str, Any], name: str) -> None:
+    """Log-log wall time against length: full attention, and each ARMT config's two schedules."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["rows"]
+    lengths = [r["length"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    configs = sorted({k.split()[-1] for k in rows[0]["times"] if k != "full"}, key=lambda c: int(c.split("/")[0]))
+    for key in rows[0]["times"]:
+        kind, config = (key.split() + [""])[:2]
+        color = "k" if key == "full" else f"C{configs.index(config)}"
+        ax.plot(lengths, [r["times"][key]["median_s"] for r in rows], "--" if kind == "sequential" else "-",
+                color=color, marker="o", ms=3, label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("input tokens")
+    ax.set_ylabel("forward wall time (s, median)")
+    ax.set_title(f"ARMT schedules vs full attention ({payload['sweep']}, {jax.default_backend()})")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(plot_path(name), dpi=120)
+
+
+def main() -> None:
+    """Entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CPU: lengths 1K..8K and three ARMT configs")
+    args = parser.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    sweep = "gpu" if gpu else ("cpu_quick" if args.quick else "cpu")
+    payload = run(sweep)
+    if not gpu:
+        payload["gpu_sweep"] = {"config": SWEEPS["gpu"], "status": "not run: no GPU on this machine; "
+                                "the script runs this sweep unchanged when one is present"}
+    write_result("armt_schedule", payload)
+    plot(payload, "armt_schedule")
+
+
+if __name__ == "__main__":
+    main()

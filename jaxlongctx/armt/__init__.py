@@ -1,0 +1,20 @@
+"""ARMT (associative recurrent memory transformer) with sequential and diagonal schedules.
+
+    armt = model.with_armt(ARMTConfig(segment_size=1024, num_mem_tokens=128), jax.random.key(0))
+    logits = armt(ids, attention_mask, schedule="diagonal")        # [B, T, V]; "sequential" = ground truth
+    logits, memory = armt.run(ids, attention_mask, schedule=...)   # + per-layer A [L,B,dk,D], z [L,B,dk]
+    state = armt.init_state(batch); state, per_row = armt.feed(state, chunk, end_document=...)
+    state, per_row = armt.flush(state)                             # streaming; see `stream`
+    jaxlongctx.generate.generate(armt, ids, n)                     # or armt.generate_ids(..., schedule=...)
+    armt.state_bytes(); armt.full_attention_kv_bytes(num_tokens); armt.save(path); ARMTModel.load(path)
+
+Modules: `config` (ARMTConfig), `memory` (DPFP, read, write), `params` (memory parameters),
+`cell` (one segment through one layer), `segments` (host-side segmentation), `sequential`,
+`diagonal` (schedules), `stream`, `generation`, `model` (ARMTModel).
+"""
+
+from jaxlongctx.armt.config import ARMTConfig
+from jaxlongctx.armt.model import ARMTModel
+from jaxlongctx.armt.sequential import MemoryState
+
+__all__ = ["ARMTConfig", "ARMTModel", "MemoryState"]

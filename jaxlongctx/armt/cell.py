@@ -1,0 +1,54 @@
+"""One ARMT cell: one segment through one layer (memory read, decoder layer, memory write).
+
+A segment buffer has `R = S + M` rows: `S` token slots (the first `n` of them real) then the `M`
+memory rows. Memory rows get RoPE positions `n .. n + M - 1`, missing token slots are invalid keys,
+so every short segment is computed exactly as if it had been cut to `n + M` rows. A segment with
+`n == 0` (padding) never writes the memory. `first` marks a row's first segment of a document: it
+starts from zero state and uses the first-segment write rule.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlongctx.armt.config import ARMTConfig
+from jaxlongctx.armt.memory import LayerMemory, read, write
+from jaxlongctx.model.attention import attention
+from jaxlongctx.model.layers import DecoderLayer
+from jaxlongctx.model.llama import Llama
+from jaxlongctx.model.rope import rope_tables
+
+
+def segment_layout(n: jnp.ndarray, cfg: ARMTConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """RoPE positions `[B, R]` and key validity `[B, R]` of segment buffers holding `n [B]` tokens."""
+    i = jnp.arange(cfg.rows)
+    positions = jnp.where(i < cfg.segment_size, i, n[:, None] + i - cfg.segment_size)
+    key_valid = (i < n[:, None]) | (i >= cfg.segment_size)
+    return positions, key_valid
+
+
+def embed_segment(base: Llama, memory: jnp.ndarray, ids: jnp.ndarray) -> jnp.ndarray:
+    """Segment buffer `[B, R, D]`: token embeddings of ids `[B, S]` then the memory tokens `[M, D]`."""
+    tok = base.embed_ids(ids)
+    mem = jnp.broadcast_to(memory.astype(tok.dtype), (tok.shape[0], *memory.shape))
+    return jnp.concatenate([tok, mem], axis=1)
+
+
+def cell(cfg: ARMTConfig, inv_freq: np.ndarray, layer: DecoderLayer, mem: LayerMemory, h: jnp.ndarray,
+         A: jnp.ndarray, z: jnp.ndarray, n: jnp.ndarray, first: jnp.ndarray
+         ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Segment buffers `h [B, R, D]` through one layer with its memory `A [B, dk, D]`, `z [B, dk]`;
+    `n [B]` tokens per row, `first [B]`. Returns the layer output and the updated state."""
+    b, r, _ = h.shape
+    a0 = jnp.where(first[:, None, None], 0, A).astype(A.dtype)
+    z0 = jnp.where(first[:, None], 0, z).astype(z.dtype)
+    h = read(h, mem, a0, z0)
+    positions, key_valid = segment_layout(n, cfg)
+    cos, sin = rope_tables(positions, inv_freq)
+    q, k, v = layer.project_qkv(h, cos, sin)
+    out = attention(q, k, v, jnp.broadcast_to(jnp.arange(r), (b, r)), key_valid)
+    h = layer.finish(h, out)
+    a1, z1 = write(h[:, cfg.segment_size:], mem, a0, z0, first)
+    writes = n > 0
+    return h, jnp.where(writes[:, None, None], a1, A), jnp.where(writes[:, None], z1, z)

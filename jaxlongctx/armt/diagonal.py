@@ -1,0 +1,166 @@
+"""The diagonal schedule (spec 2): all cells `(s, l)` with `s + l = t` run as ONE vmapped call of the
+single-layer cell over the stacked layer weights, one diagonal per step.
+
+The pipeline keeps, per layer slot `l`, the segment buffer that layer `l` processes next
+(`h [L, B, R, D]`, its token counts and first flags) and the layer's memory `A, z`. A step runs the
+occupied window of layers `[a, b)` (a static slice of the stacked weights), moves every output one
+slot down and emits the segment leaving the last layer to the head. Steps with every layer busy are
+a `jax.lax.scan` in fixed-size chunks; ramp-up and ramp-down steps run only their active layers
+(exact widths, so no cell is wasted). Compiled pieces depend on the step plan only, never on the
+input length (one-shot: ramp-up, full chunks of `chunk_sizes`, ramp-down; inputs with fewer than
+L - 1 segments compile one plan per segment count).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlongctx.armt.cell import cell, embed_segment
+from jaxlongctx.armt.segments import Segments, chunk_sizes
+from jaxlongctx.armt.sequential import TRACES, MemoryState, zero_state
+
+Step = tuple[int, int, bool]  # layers [a, b) run; whether a new segment enters slot 0 first
+Block = tuple[str, Any]  # ("full", count) or ("steps", tuple[Step, ...])
+
+
+class Pipeline(NamedTuple):
+    """In-flight segments per layer slot (h `[L, B, R, D]`, n `[L, B]`, first `[L, B]`) and the
+    per-layer memory A `[L, B, dk, D]`, z `[L, B, dk]`."""
+
+    h: jnp.ndarray
+    n: jnp.ndarray
+    first: jnp.ndarray
+    A: jnp.ndarray
+    z: jnp.ndarray
+
+
+def empty_pipeline(model: Any, state: MemoryState) -> Pipeline:
+    """A pipeline with no segment in flight, holding memory `state`."""
+    cfg, armt = model.config, model.armt
+    L, b = cfg.num_layers, state.A.shape[1]
+    return Pipeline(jnp.zeros((L, b, armt.rows, cfg.hidden_size), model.dtype), jnp.zeros((L, b), jnp.int32),
+                    jnp.zeros((L, b), bool), state.A, state.z)
+
+
+def plan(occupied: tuple[int, int] | None, inputs: int, drain: bool, num_layers: int
+         ) -> tuple[list[Block], tuple[int, int] | None]:
+    """Steps that push `inputs` segments into a pipeline whose slots `[lo, hi)` are occupied (None:
+    empty), then drain it if asked; consecutive all-layer steps are grouped into scanned chunks.
+    Returns the blocks and the new occupancy."""
+    L = num_layers
+    steps: list[Step] = []
+    for _ in range(inputs):
+        if occupied is not None and occupied[0] != 1:
+            raise ValueError("cannot feed a partially drained pipeline")
+        window = (0, 1 if occupied is None else occupied[1])
+        steps.append((*window, True))
+        occupied = (1, min(window[1] + 1, L)) if L > 1 else None
+    while drain and occupied is not None:
+        steps.append((*occupied, False))
+        occupied = (occupied[0] + 1, min(occupied[1] + 1, L)) if occupied[0] + 1 < L else None
+    blocks: list[Block] = []
+    for step in steps:
+        if step == (0, L, True):
+            if blocks and blocks[-1][0] == "full":
+                blocks[-1] = ("full", blocks[-1][1] + 1)
+            else:
+                blocks.append(("full", 1))
+        elif blocks and blocks[-1][0] == "steps":
+            blocks[-1] = ("steps", blocks[-1][1] + (step,))
+        else:
+            blocks.append(("steps", (step,)))
+    out: list[Block] = []
+    for kind, arg in blocks:
+        out.extend([("full", c) for c in chunk_sizes(arg)] if kind == "full" else [(kind, arg)])
+    return out, occupied
+
+
+def block_inputs(block: Block) -> int:
+    """Segments a block consumes."""
+    return block[1] if block[0] == "full" else sum(s[2] for s in block[1])
+
+
+def _step(model: Any, graphdef: nnx.GraphDef, layer_state: Any, mem: Any, memory: jnp.ndarray, base: Any,
+          pipe: Pipeline, a: int, b: int, seg: tuple | None) -> tuple[Pipeline, jnp.ndarray | None]:
+    """One diagonal: layers `[a, b)` as one vmapped cell call; returns the pipeline and the logits
+    `[B, S, V]` of the segment leaving the last layer (None if none leaves)."""
+    armt, L = model.armt, model.config.num_layers
+    h, n, first, A, z = pipe
+    if seg is not None:
+        ids, seg_n, seg_first = seg
+        h = h.at[0].set(embed_segment(base, memory, ids))
+        n, first = n.at[0].set(seg_n), first.at[0].set(seg_first)
+
+    def one(ls, lm, hh, aa, zz, nn, ff):
+        return cell(armt, model.inv_freq, nnx.merge(graphdef, ls), lm, hh, aa, zz, nn, ff)
+
+    window = lambda x: x[a:b]  # noqa: E731  (static slice; the identity when every layer is busy)
+    out, a2, z2 = jax.vmap(one)(jax.tree.map(window, layer_state), jax.tree.map(window, mem),
+                                h[a:b], A[a:b], z[a:b], n[a:b], first[a:b])
+    A, z = A.at[a:b].set(a2), z.at[a:b].set(z2)
+    hi = min(b + 1, L)
+    h = h.at[a + 1:hi].set(out[:hi - a - 1])
+    n, first = n.at[a + 1:hi].set(n[a:hi - 1]), first.at[a + 1:hi].set(first[a:hi - 1])
+    logits = base.head(out[-1][:, :armt.segment_size]) if b == L else None
+    return Pipeline(h, n, first, A, z), logits
+
+
+def _run_block(model: Any, block: Block, params: Any, pipe: Pipeline, segs: Segments
+               ) -> tuple[Pipeline, jnp.ndarray]:
+    TRACES[("diagonal", block)] += 1
+    base, mem = model.merge(params)
+    graphdef, layer_state = nnx.split(base.layers)
+    args = (model, graphdef, layer_state, mem.layers(), mem.memory[...], base)
+    L = model.config.num_layers
+    if block[0] == "full":
+        return jax.lax.scan(lambda p, seg: _step(*args, p, 0, L, seg), pipe, tuple(segs))
+    outs, used = [], 0
+    for a, b, takes in block[1]:
+        seg = (segs.ids[used], segs.n[used], segs.first[used]) if takes else None
+        used += takes
+        pipe, logits = _step(*args, pipe, a, b, seg)
+        if logits is not None:
+            outs.append(logits)
+    b_, s = pipe.h.shape[1], model.armt.segment_size
+    empty = jnp.zeros((0, b_, s, model.config.vocab_size), jnp.float32)
+    return pipe, jnp.stack(outs) if outs else empty
+
+
+run_block = jax.jit(_run_block, static_argnums=(0, 1))  # (model, block, params, pipe, segs)
+
+
+def run_blocks(model: Any, params: Any, pipe: Pipeline, blocks: list[Block], segs: Segments
+               ) -> tuple[Pipeline, list[jnp.ndarray]]:
+    """Run planned blocks, feeding `segs` in order; returns the pipeline and the emitted logits."""
+    outs, start = [], 0
+    for block in blocks:
+        k = block_inputs(block)
+        chunk = Segments(*(jnp.asarray(x[start:start + k]) for x in segs))
+        pipe, logits = run_block(model, block, params, pipe, chunk)
+        outs.append(logits)
+        start += k
+    return pipe, outs
+
+
+def diagonal_forward(model: Any, params: Any, segs: Segments, state: MemoryState | None = None
+                     ) -> tuple[MemoryState, jnp.ndarray]:
+    """Run segments `[nS, B, S]` through an empty pipeline and drain it; returns the final state
+    and logits `[nS, B, S, V]` (equal to `sequential_forward` up to float reassociation)."""
+    state = zero_state(model, segs.ids.shape[1]) if state is None else state
+    blocks, _ = plan(None, segs.count, True, model.config.num_layers)
+    pipe, outs = run_blocks(model, params, empty_pipeline(model, state), blocks, segs)
+    return MemoryState(pipe.A, pipe.z), jnp.concatenate(outs, axis=0)
+
+
+def computed_cells(blocks: list[Block], num_layers: int) -> int:
+    """Layer cells (per batch row) a plan computes; useful cells are `segments * num_layers`."""
+    return sum(num_layers * arg if kind == "full" else sum(b - a for a, b, _ in arg) for kind, arg in blocks)
+
+
+def fixed_buffer_waste(num_segments: int, num_layers: int) -> float:
+    """Wasted fraction of a static L-row buffer run at full width on every diagonal: (L-1)/(S+L-1)."""
+    return (num_layers - 1) / (num_segments + num_layers - 1)

@@ -1,0 +1,65 @@
+"""The associative memory of one layer (spec 1.3-1.5): DPFP feature map, read and write.
+
+Pure functions. Whatever the weight dtype, the projections accumulate in float32 and the read and
+write arithmetic on the state `A [B, d_key, D]`, `z [B, d_key]` runs in float32; the updated state is
+cast back to its own dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxlongctx.armt.config import NU
+
+EPS = 1e-5  # the three literal eps sites of the reference (read, write and gamma denominators)
+
+
+class LayerMemory(NamedTuple):
+    """Memory projections of one layer (or of all layers, stacked `[L, ...]`)."""
+
+    wq: jnp.ndarray  # D d_mem
+    wk: jnp.ndarray  # D d_mem
+    wv: jnp.ndarray  # D D
+    wb: jnp.ndarray  # D     (W_mb: d -> 1)
+    bb: jnp.ndarray  # ()    (its bias)
+
+
+def _project(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+    return jnp.einsum("...d,de->...e", x, w, preferred_element_type=jnp.float32)
+
+
+def dpfp(x: jnp.ndarray) -> jnp.ndarray:
+    """DPFP feature map, nu = 3, no normalisation: `[..., d_mem]` -> float32 `[..., 2 * NU * d_mem]`."""
+    x = x.astype(jnp.float32)
+    xp = jnp.concatenate([jax.nn.relu(x), jax.nn.relu(-x)], axis=-1)
+    rolled = jnp.concatenate([jnp.roll(xp, shift=j, axis=-1) for j in range(1, NU + 1)], axis=-1)
+    return jnp.concatenate([xp] * NU, axis=-1) * rolled
+
+
+def read(h: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray) -> jnp.ndarray:
+    """`h + phi(h W_mq) A / (phi(h W_mq) . z + eps)` for every row: h `[B, T, D]` -> `[B, T, D]`."""
+    q = dpfp(_project(h, mem.wq))  # B T dk
+    num = jnp.einsum("btk,bkd->btd", q, A.astype(jnp.float32))
+    den = jnp.einsum("btk,bk->bt", q, z.astype(jnp.float32)) + EPS
+    return (h.astype(jnp.float32) + num / den[..., None]).astype(h.dtype)
+
+
+def write(m: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray,
+          first: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Update `A [B, dk, D]`, `z [B, dk]` from the layer output at the memory rows `m [B, M, D]`;
+    rows with `first [B]` use the first-segment rule (vbar = 0, gamma = 1)."""
+    k = dpfp(_project(m, mem.wk))  # B M dk
+    v = _project(m, mem.wv)  # B M D
+    beta = jax.nn.sigmoid(_project(m, mem.wb[:, None])[..., 0] + mem.bb.astype(jnp.float32))  # B M
+    a32, z32 = A.astype(jnp.float32), z.astype(jnp.float32)
+    den = jnp.einsum("bmk,bk->bm", k, z32) + EPS
+    vbar = jnp.einsum("bmk,bkd->bmd", k, a32) / den[..., None]
+    gamma = jax.lax.stop_gradient(jnp.clip(1.0 - den / (jnp.sum(k * k, axis=-1) + EPS), 0.0, 1.0))
+    vbar = jnp.where(first[:, None, None], 0.0, vbar)
+    gamma = jnp.where(first[:, None], 1.0, gamma)
+    a32 = a32 + jnp.einsum("bm,bmk,bmd->bkd", beta, k, v - vbar)
+    z32 = z32 + jnp.einsum("bm,bmk->bk", gamma, k)
+    return a32.astype(A.dtype), z32.astype(z.dtype)

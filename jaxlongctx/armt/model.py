@@ -1,0 +1,204 @@
+"""`ARMTModel`: a Llama model with ARMT memory, run by the sequential or the diagonal schedule."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxlongctx.armt import stream
+from jaxlongctx.armt.config import ARMTConfig
+from jaxlongctx.armt.diagonal import diagonal_forward
+from jaxlongctx.armt.generation import generate_ids
+from jaxlongctx.armt.params import MemoryParams
+from jaxlongctx.armt.segments import Segments, compact, segment
+from jaxlongctx.armt.sequential import MemoryState, sequential_forward
+from jaxlongctx.checkpoint import (CheckpointError, abstract_model, atomic_directory, read_metadata,
+                                   restore_params, save_params, write_metadata)
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.kvcache.dense import dense_cache_bytes
+from jaxlongctx.model.llama import Llama
+from jaxlongctx.model.model import Model
+from jaxlongctx.model.rope import inverse_frequencies
+from jaxlongctx.validation import check_ids, check_mask, check_positive_int
+
+SCHEDULES = stream.SCHEDULES
+_MEMORY_DIR = "armt_memory"
+
+
+class ARMTModel:
+    """`armt_model(ids, attention_mask=None, schedule="diagonal") -> logits [B, T, V]` (float32).
+
+    Rows are independent: each row's real tokens (per `attention_mask`, pads anywhere) are cut into
+    segments as if the row were alone. Parameters are `(base_state, memory_state)`.
+    """
+
+    def __init__(self, base: Llama, armt: ARMTConfig, memory: MemoryParams, tokenizer: Any = None):
+        self.base = Model(base, tokenizer)
+        self.memory = memory
+        self.armt = armt
+        self.config: ModelConfig = base.config
+        self.tokenizer = tokenizer
+        self.inv_freq = inverse_frequencies(self.config)
+
+    @classmethod
+    def wrap(cls, model: Model, armt: ARMTConfig, key: jax.Array) -> ARMTModel:
+        """Add freshly initialised memory parameters (reference init, W_mv = 0) to a loaded model."""
+        if not isinstance(armt, ARMTConfig):
+            raise ValueError(f"expected an ARMTConfig, got {type(armt).__name__}")
+        embed = model.module.embed[...]
+        memory = MemoryParams(armt, model.config.num_layers, model.config.hidden_size,
+                              float(jnp.std(embed.astype(jnp.float32))), dtype=embed.dtype, key=key)
+        return cls(model.module, armt, memory, model.tokenizer)
+
+    # --- parameters -----------------------------------------------------------------------------
+    @property
+    def dtype(self) -> jnp.dtype:
+        """Parameter dtype."""
+        return self.base.dtype
+
+    @cached_property
+    def _memory_graphdef(self) -> nnx.GraphDef:
+        return nnx.split(self.memory)[0]
+
+    @property
+    def params(self) -> tuple[nnx.State, nnx.State]:
+        """`(base_state, memory_state)`: the differentiable parameter pytree."""
+        return self.base.params, nnx.state(self.memory)
+
+    def merge(self, params: tuple[nnx.State, nnx.State]) -> tuple[Llama, MemoryParams]:
+        """The base module and memory module rebuilt from `params` (use inside traced functions)."""
+        return self.base.merge(params[0]), nnx.merge(self._memory_graphdef, params[1])
+
+    def astype(self, dtype: jnp.dtype) -> ARMTModel:
+        """A copy with every parameter cast to `dtype` (the state dtype is unchanged)."""
+        cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)  # noqa: E731
+        base, memory = self.merge((cast(self.base.params), cast(nnx.state(self.memory))))
+        return ARMTModel(base, self.armt, memory, self.tokenizer)
+
+    def randomize_memory_params(self, key: jax.Array, scale: float = 1.0) -> ARMTModel:
+        """Randomise W_mq, W_mk, W_mv, W_mb, b_mb in place (see `MemoryParams.randomize`); returns self."""
+        self.memory.randomize(key, scale)
+        return self
+
+    def set_memory_params(self, **arrays: Any) -> ARMTModel:
+        """Set memory parameters by name (memory, wq, wk, wv, wb, bb), shapes checked; returns self."""
+        for name, value in arrays.items():
+            if name not in ("memory", "wq", "wk", "wv", "wb", "bb"):
+                raise ValueError(f"unknown memory parameter {name!r}")
+            param = getattr(self.memory, name)
+            value = jnp.asarray(value)
+            if value.shape != param.shape:
+                raise ValueError(f"memory parameter {name}: expected shape {param.shape}, got {value.shape}")
+            param[...] = value.astype(param.dtype)
+        return self
+
+    # --- forward --------------------------------------------------------------------------------
+    def run_segments(self, params: Any, segs: Segments, schedule: str = "diagonal",
+                     state: MemoryState | None = None) -> tuple[MemoryState, jnp.ndarray]:
+        """Segments `[nS, B, S]` through `schedule` -> final memory and logits `[nS, B, S, V]` (pure in
+        `params`, so differentiable)."""
+        if schedule == "diagonal":
+            return diagonal_forward(self, params, segs, state)
+        if schedule == "sequential":
+            return sequential_forward(self, params, segs, state)
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+    def run(self, ids: Any, attention_mask: Any = None, schedule: str = "diagonal"
+            ) -> tuple[jnp.ndarray, MemoryState]:
+        """Logits `[B, T, V]` (zeros at pads) and the final per-layer memory for ids `[B, T]`."""
+        ids = check_ids(ids, self.config.vocab_size)
+        mask = check_mask(attention_mask, ids)
+        ids_c, lengths, order = compact(ids, mask)
+        state, logits = self.run_segments(self.params, segment(ids_c, lengths, self.armt.segment_size), schedule)
+        b, t = ids.shape
+        logits = jnp.swapaxes(logits, 0, 1).reshape(b, -1, self.config.vocab_size)[:, :t]
+        if not mask.all():
+            inverse = np.argsort(order, axis=1)
+            logits = jnp.take_along_axis(logits, jnp.asarray(inverse)[..., None], axis=1)
+            logits = jnp.where(jnp.asarray(mask)[..., None], logits, 0.0)
+        return logits, state
+
+    def __call__(self, ids: Any, attention_mask: Any = None, schedule: str = "diagonal") -> jnp.ndarray:
+        """Logits `[B, T, V]` (float32; zeros at pad positions) for ids `[B, T]`."""
+        return self.run(ids, attention_mask, schedule)[0]
+
+    # --- streaming ------------------------------------------------------------------------------
+    def init_state(self, batch: int = 1, schedule: str = "diagonal") -> stream.ARMTState:
+        """Empty streaming state for `batch` independent rows."""
+        return stream.init_state(self, check_positive_int(batch, "batch"), schedule)
+
+    def feed(self, state: stream.ARMTState, ids: Any, end_document: Any = False
+             ) -> tuple[stream.ARMTState, list[jnp.ndarray]]:
+        """Append ids `[B, c]` to the streams; returns the new state and per-row logits `[t_b, V]` of
+        the tokens whose segments completed (see `jaxlongctx.armt.stream`)."""
+        arr = np.asarray(ids)
+        empty = arr.ndim == 2 and arr.shape[1] == 0 and np.issubdtype(arr.dtype, np.integer)
+        ids = arr.astype(np.int32) if empty else check_ids(arr, self.config.vocab_size)
+        if ids.shape[0] != state.batch:
+            raise ValueError(f"ids have {ids.shape[0]} rows but the stream state has {state.batch}")
+        return stream.feed(self, self.params, state, ids, end_document)
+
+    def flush(self, state: stream.ARMTState) -> tuple[stream.ARMTState, list[jnp.ndarray]]:
+        """End every row's document: run the partial segments and drain the pipeline; returns the
+        state (ready for new documents) and the remaining per-row logits."""
+        return stream.feed(self, self.params, state, None, True, drain=True)
+
+    # --- generation -----------------------------------------------------------------------------
+    def generate_ids(self, ids: Any, max_new_tokens: int, **kwargs: Any) -> np.ndarray:
+        """Autoregressive generation (called by `jaxlongctx.generate`); extra option `schedule`."""
+        return generate_ids(self, ids, max_new_tokens, **kwargs)
+
+    # --- memory accounting ----------------------------------------------------------------------
+    def state_bytes(self, batch: int = 1) -> int:
+        """Bytes of the recurrent state: A and z of every layer plus the memory tokens."""
+        L, d, dk = self.config.num_layers, self.config.hidden_size, self.armt.d_key
+        item = self.armt.state_dtype.itemsize
+        return batch * L * dk * (d + 1) * item + self.memory.memory[...].nbytes
+
+    def full_attention_kv_bytes(self, num_tokens: int, batch: int = 1) -> int:
+        """Bytes of the bf16 dense KV cache a full-attention model needs for `num_tokens` tokens."""
+        return dense_cache_bytes(self.config, num_tokens, batch, itemsize=2)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        """Save base weights (our checkpoint layout, loadable as a plain model) plus the memory
+        parameters and the ARMT config, atomically."""
+        base = nnx.to_pure_dict(self.base.params)
+        with atomic_directory(path, overwrite=overwrite) as tmp:
+            save_params(tmp, base)
+            with ocp.StandardCheckpointer() as ckptr:
+                ckptr.save(tmp / _MEMORY_DIR, nnx.to_pure_dict(nnx.state(self.memory)))
+            write_metadata(tmp, self.config, str(self.dtype), {"armt": self.armt.to_dict()})
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: jnp.dtype | None = None) -> ARMTModel:
+        """Load a checkpoint written by `save`, optionally casting the parameters to `dtype`."""
+        path = Path(path).absolute()
+        meta = read_metadata(path)
+        if "armt" not in meta:
+            raise CheckpointError(f"{path}: not an ARMT checkpoint (no 'armt' entry in config.json)")
+        config, armt, dtype = ModelConfig.from_dict(meta["config"]), ARMTConfig.from_dict(meta["armt"]), meta["dtype"]
+        skeleton = abstract_model(config, jnp.dtype(dtype))
+        graphdef, state = nnx.split(skeleton)
+        nnx.replace_by_pure_dict(state, restore_params(path, nnx.to_pure_dict(state)))
+        mem_skeleton = nnx.eval_shape(lambda: MemoryParams(armt, config.num_layers, config.hidden_size, 1.0,
+                                                           dtype=jnp.dtype(dtype), key=jax.random.key(0)))
+        mem_graphdef, mem_state = nnx.split(mem_skeleton)
+        try:
+            with ocp.StandardCheckpointer() as ckptr:
+                restored = ckptr.restore(path / _MEMORY_DIR, nnx.to_pure_dict(mem_state))
+        except (FileNotFoundError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{path}: cannot restore ARMT memory parameters ({type(e).__name__}: {e})") from None
+        nnx.replace_by_pure_dict(mem_state, restored)
+        model = cls(nnx.merge(graphdef, state), armt, nnx.merge(mem_graphdef, mem_state))
+        return model if dtype is None or jnp.dtype(dtype) == model.dtype else model.astype(dtype)
+
+

@@ -1,0 +1,69 @@
+"""The sequential schedule (spec 1, the ground truth): segment by segment, layer by layer."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxlongctx.armt.cell import cell, embed_segment
+from jaxlongctx.armt.segments import Segments, chunk_sizes
+
+TRACES: Counter = Counter()  # trace (= compile) count per schedule function, read by tests
+
+
+class MemoryState(NamedTuple):
+    """Per-layer associative memory: A `[L, B, d_key, D]`, z `[L, B, d_key]` (state dtype)."""
+
+    A: jnp.ndarray
+    z: jnp.ndarray
+
+
+def zero_state(model: Any, batch: int) -> MemoryState:
+    """All-zero memory for `batch` rows."""
+    cfg, armt = model.config, model.armt
+    return MemoryState(jnp.zeros((cfg.num_layers, batch, armt.d_key, cfg.hidden_size), armt.state_dtype),
+                       jnp.zeros((cfg.num_layers, batch, armt.d_key), armt.state_dtype))
+
+
+def segment_through_layers(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray,
+                           first: jnp.ndarray) -> tuple[MemoryState, jnp.ndarray]:
+    """One segment (ids `[B, S]`, `n [B]`, `first [B]`) through all layers in order; returns the new
+    state and the token-row logits `[B, S, V]`."""
+    base, mem = model.merge(params)
+
+    def body(layer, h, xs):
+        lm, a, z = xs
+        h, a, z = cell(model.armt, model.inv_freq, layer, lm, h, a, z, n, first)
+        return h, (a, z)
+
+    h, (A, z) = base.scan_layers(body, embed_segment(base, mem.memory[...], ids), (mem.layers(), *state))
+    return MemoryState(A, z), base.head(h[:, :model.armt.segment_size])
+
+
+def _run_chunk(model: Any, params: Any, state: MemoryState, segs: Segments) -> tuple[MemoryState, jnp.ndarray]:
+    TRACES["sequential"] += 1
+
+    def step(st, seg):
+        return segment_through_layers(model, params, st, *seg)
+
+    return jax.lax.scan(step, state, tuple(segs))
+
+
+_run_chunk_jit = jax.jit(_run_chunk, static_argnums=0)
+
+
+def sequential_forward(model: Any, params: Any, segs: Segments, state: MemoryState | None = None
+                       ) -> tuple[MemoryState, jnp.ndarray]:
+    """Run segments `[nS, B, S]` in order from `state` (default zero); returns the final state and
+    logits `[nS, B, S, V]`. Compiled per chunk size only (see `chunk_sizes`)."""
+    state = zero_state(model, segs.ids.shape[1]) if state is None else state
+    outs, start = [], 0
+    for size in chunk_sizes(segs.count):
+        state, logits = _run_chunk_jit(model, params, state, Segments(*map(jnp.asarray, segs[start:start + size])))
+        outs.append(logits)
+        start += size
+    return state, jnp.concatenate(outs, axis=0)
+

@@ -1,0 +1,144 @@
+"""Codebook calibration: run the model over calibration text, collect post-RoPE K/V, train PQ codebooks.
+
+Also the model fingerprint that ties codebooks to the model they were made for, and the
+`jaxlongctx calibrate` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxlongctx.kvcache.codebooks import GRANULARITIES, Codebooks, Granularity, load_codebooks, save_codebooks, train_codebooks
+from jaxlongctx.model.llama import forward_hidden
+from jaxlongctx.model.model import Model
+
+FINGERPRINT_SAMPLES = 4096  # parameter values hashed per leaf (evenly strided)
+
+
+def model_fingerprint(model: Model) -> str:
+    """Stable hash of the config and a strided sample of every parameter (rounded to bf16, so dtype-independent)."""
+    h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
+    leaves = jax.tree_util.tree_flatten_with_path(model.params)[0]
+    for path, leaf in sorted(leaves, key=lambda pl: jax.tree_util.keystr(pl[0])):
+        flat = jnp.ravel(leaf)
+        step = max(1, flat.size // FINGERPRINT_SAMPLES)
+        sample = np.asarray(flat[::step].astype(jnp.bfloat16).astype(jnp.float32))
+        h.update(f"{jax.tree_util.keystr(path)}{tuple(leaf.shape)}".encode())
+        h.update(sample.tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_codebooks(model: Model, codebooks: Codebooks) -> None:
+    """ValueError unless `codebooks` fit the model's shapes and (when recorded) its fingerprint."""
+    if not isinstance(codebooks, Codebooks):
+        raise ValueError(f"codebooks must be a Codebooks (see load_codebooks), got {type(codebooks).__name__}")
+    cfg = model.config
+    want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    got = (codebooks.num_layers, codebooks.num_kv_heads, codebooks.head_dim)
+    if got != want:
+        raise ValueError(f"codebooks are for (layers, kv heads, head dim) = {got}, the model has {want}")
+    found = codebooks.model_fingerprint
+    if found and found != model_fingerprint(model):
+        raise ValueError(f"codebooks were calibrated on another model (fingerprint {found}, "
+                         f"this model is {model_fingerprint(model)}); run `jaxlongctx calibrate` for it")
+
+
+def load_codebooks_for(model: Model, path: str | Path) -> Codebooks:
+    """Load codebooks from `path` and check they were made for `model` (clear ValueError if not)."""
+    codebooks = load_codebooks(path, expected_fingerprint=model_fingerprint(model))
+    check_codebooks(model, codebooks)
+    return codebooks
+
+
+def collect_kv(model: Model, tokens: np.ndarray, seq_len: int, max_tokens: int, batch_size: int = 4,
+               progress: bool = False) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Post-RoPE keys and values `[L, N, K, D]` (float32) over non-overlapping windows of `seq_len` tokens."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    if seq_len < 1 or max_tokens < seq_len:
+        raise ValueError(f"need 1 <= seq_len <= max_tokens, got seq_len={seq_len}, max_tokens={max_tokens}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= model.config.vocab_size):
+        raise ValueError(f"calibration token ids must be in [0, {model.config.vocab_size}), got "
+                         f"[{tokens.min()}, {tokens.max()}] (tokenizer of another model?)")
+    windows = min(len(tokens), max_tokens) // seq_len
+    if windows == 0:
+        raise ValueError(f"calibration text has {len(tokens)} tokens, fewer than one window of {seq_len}")
+    ids = tokens[: windows * seq_len].reshape(windows, seq_len)
+    fn = jax.jit(lambda p, x: forward_hidden(model.merge(p), x, jnp.ones(x.shape, bool), collect_kv=True)[1])
+    ks, vs = [], []
+    for start in tqdm(range(0, windows, batch_size), desc="calibration forward", disable=not progress):
+        k, v = fn(model.params, jnp.asarray(ids[start:start + batch_size]))  # [L, b, T, K, D]
+        ks.append(k.astype(jnp.float32).reshape(k.shape[0], -1, *k.shape[3:]))
+        vs.append(v.astype(jnp.float32).reshape(v.shape[0], -1, *v.shape[3:]))
+    return jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1)
+
+
+def calibrate(model: Model, token_stream: np.ndarray, ds: int = 2, bits: int = 8,
+              granularity: Granularity = "shared", iters: int = 25, *, seq_len: int = 512,
+              max_tokens: int = 16384, seed: int = 0, progress: bool = False, source: str = "") -> Codebooks:
+    """Codebooks for `model` from its post-RoPE K/V over `token_stream` (keep it apart from evaluation text)."""
+    if not isinstance(model, Model):
+        raise ValueError(f"calibrate needs a full-attention jaxlongctx Model, got {type(model).__name__}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    keys, values = collect_kv(model, token_stream, seq_len, max_tokens, progress=progress)
+    per_problem = keys.shape[1] * {"shared": keys.shape[0] * keys.shape[2], "layer": keys.shape[2], "layer_head": 1}[granularity]
+    if per_problem < 2**bits:
+        raise ValueError(f"{keys.shape[1]} calibration tokens give {per_problem} vectors per k-means problem, "
+                         f"fewer than the {2**bits} centroids; use more calibration text")
+    cb = train_codebooks(keys, values, ds, bits, granularity, iters, key=jax.random.key(seed), progress=progress,
+                         model_fingerprint=model_fingerprint(model))
+    meta = {**cb.metadata, "calibration_tokens": int(keys.shape[1]), "seq_len": seq_len, "seed": seed}
+    if source:
+        meta["calibration_source"] = source
+    return dataclasses.replace(cb, metadata=meta)
+
+
+# --- CLI: calibrate --------------------------------------------------------------------------------
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `jaxlongctx calibrate`."""
+    parser.add_argument("--model", "--ckpt", dest="model", required=True, help="jaxlongctx checkpoint or HF model directory")
+    parser.add_argument("--text", help="calibration text file (default: the built-in calibration split)")
+    parser.add_argument("--out", required=True, help="output codebooks directory")
+    parser.add_argument("--ds", type=int, default=2, help="subspace size (2: 4 bits/element, 4: 2 bits/element)")
+    parser.add_argument("--bits", type=int, default=8, help="bits per code, at most 8 (default 8: 256 centroids)")
+    parser.add_argument("--granularity", choices=GRANULARITIES, default="shared")
+    parser.add_argument("--iters", type=int, default=25, help="k-means iterations (default 25)")
+    parser.add_argument("--seq-len", type=int, default=512, help="calibration window length (default 512)")
+    parser.add_argument("--max-tokens", type=int, default=16384, help="calibration tokens used (default 16384)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    """`jaxlongctx calibrate`: train codebooks for `--model` and save them to `--out`; prints a JSON summary."""
+    from jaxlongctx.data.tokenizer import encode_corpus
+    from jaxlongctx.loading import load
+
+    model = load(args.model, args.dtype)
+    if args.text is None:
+        tokens, source = encode_corpus("calibration", model.tokenizer), "calibration split"
+    else:
+        text_path = Path(args.text)
+        if not text_path.is_file():
+            raise ValueError(f"--text {text_path} is not a file")
+        if model.tokenizer is None:
+            raise ValueError(f"{args.model} has no tokenizer.json, so --text cannot be tokenized")
+        tokens = np.asarray(model.tokenizer.encode(text_path.read_text()).ids, np.int32)
+        source = str(text_path)
+    cb = calibrate(model, tokens, args.ds, args.bits, args.granularity, args.iters, seq_len=args.seq_len,
+                   max_tokens=args.max_tokens, seed=args.seed, progress=True, source=source)
+    path = save_codebooks(cb, args.out, overwrite=args.overwrite)
+    summary = {"out": str(path), "ds": cb.ds, "bits": cb.bits, "granularity": cb.granularity, **cb.metadata}
+    print(json.dumps(summary))
+    return summary

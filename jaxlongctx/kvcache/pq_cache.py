@@ -1,0 +1,134 @@
+"""Static product-quantized KV cache (MILLION): preallocated uint8 code buffers plus an exact window.
+
+Per batch row b, the coded tokens are slots [0, lengths[b]) of the code buffers and the exact
+(full-precision) recent tokens are slots [0, window_lengths[b]) of the window. New tokens go to
+the window; a row whose window is full (R tokens) is encoded in one batch and appended to its
+codes before the next token arrives, so after every step 1..R recent tokens are exact.
+Token order inside the buffers is the order of the real (unpadded) tokens of each row.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.kvcache.codebooks import Codebooks, cache_bytes
+from jaxlongctx.kvcache.pq_codec import decode, encode
+
+DEFAULT_WINDOW = 128  # R, the reference's full-precision recent window
+
+
+class PQCache(NamedTuple):
+    """Codes `[L, B, K, T, M]` uint8, exact window `[L, B, K, R, D]`, valid counts per row `[B]` int32."""
+
+    k_codes: jnp.ndarray
+    v_codes: jnp.ndarray
+    k_window: jnp.ndarray
+    v_window: jnp.ndarray
+    lengths: jnp.ndarray  # coded tokens per row
+    window_lengths: jnp.ndarray  # exact tokens per row, in [0, R]
+
+    @property
+    def capacity(self) -> int:
+        """T, the number of code slots per row."""
+        return self.k_codes.shape[3]
+
+    @property
+    def window(self) -> int:
+        """R, the number of exact window slots per row."""
+        return self.k_window.shape[3]
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache buffers (codebooks not included)."""
+        return sum(int(x.size) * x.dtype.itemsize for x in self)
+
+    @classmethod
+    def from_prefill(cls, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray, k_cent: jnp.ndarray,
+                     v_cent: jnp.ndarray, capacity: int, window: int, keep_tail_exact: bool = False) -> PQCache:
+        """Encode prompt keys/values `[L, B, T, K, D]` (mask `[B, T]`, pads anywhere) into a cache.
+
+        Centroids are stacked per layer (`Codebooks.stacked()`). By default every prompt token is
+        coded and the window starts empty (the reference). With `keep_tail_exact` the window holds
+        the last ((n - 1) mod R) + 1 prompt tokens of a row of n tokens exactly: the state a
+        token-by-token decode through this cache would have reached.
+        """
+        _, _, t, _, _ = k.shape
+        if capacity < t:
+            raise ValueError(f"capacity {capacity} must hold the {t} prompt slots")
+        lens = mask.sum(axis=1).astype(jnp.int32)  # [B]
+        order = jnp.argsort(~mask, axis=1, stable=True)  # real tokens first, in sequence order
+        k = jnp.take_along_axis(k, order[None, :, :, None, None], axis=2).transpose(0, 1, 3, 2, 4)  # L B K T D
+        v = jnp.take_along_axis(v, order[None, :, :, None, None], axis=2).transpose(0, 1, 3, 2, 4)
+        exact = jnp.where(lens > 0, (lens - 1) % window + 1, 0) if keep_tail_exact else jnp.zeros_like(lens)
+        coded = lens - exact
+        pad = ((0, 0), (0, 0), (0, 0), (0, capacity - t), (0, 0))
+        k_codes = jnp.pad(encode_layers(k, k_cent), pad)
+        v_codes = jnp.pad(encode_layers(v, v_cent), pad)
+        idx = jnp.minimum(coded[:, None] + jnp.arange(window), t - 1)[None, :, None, :, None]  # [1 B 1 R 1]
+        k_win = jnp.take_along_axis(k, idx, axis=3)  # L B K R D
+        v_win = jnp.take_along_axis(v, idx, axis=3)
+        return cls(k_codes, v_codes, k_win, v_win, coded, exact)
+
+
+def encode_layers(x: jnp.ndarray, cent: jnp.ndarray) -> jnp.ndarray:
+    """Encode x `[L, B, K, N, D]` with stacked centroids `[L, M, C, ds]` or `[L, K, M, C, ds]` -> `[L, B, K, N, M]`."""
+    return jax.lax.map(lambda xc: encode(xc[0], xc[1]), (x, cent))
+
+
+def decode_layers(codes: jnp.ndarray, cent: jnp.ndarray) -> jnp.ndarray:
+    """Reconstruct codes `[L, B, K, N, M]` with stacked centroids -> float32 `[L, B, K, N, D]`."""
+    return jax.lax.map(lambda cc: decode(cc[0], cc[1]), (codes, cent))
+
+
+def flush_full_rows(cache: PQCache, k_cent: jnp.ndarray, v_cent: jnp.ndarray) -> PQCache:
+    """Encode the windows of rows whose window is full (one batch, all layers) and append them to their codes.
+
+    Every row's window codes are written at its `lengths` offset (beyond a non-full row's valid
+    codes, so harmless); only full rows advance. Needs `lengths + R <= capacity` for every row.
+    """
+    full = cache.window_lengths >= cache.window  # [B]
+    put = jax.vmap(lambda buf, new, off: jax.lax.dynamic_update_slice(buf, new, (0, 0, off, 0)),
+                   in_axes=(1, 1, 0), out_axes=1)  # per-row offset along T of [L, B, K, T, M]
+
+    def flush(c: PQCache) -> PQCache:
+        k_new = encode_layers(c.k_window, k_cent)  # L B K R M
+        v_new = encode_layers(c.v_window, v_cent)
+        return c._replace(k_codes=put(c.k_codes, k_new, c.lengths), v_codes=put(c.v_codes, v_new, c.lengths),
+                          lengths=c.lengths + jnp.where(full, c.window, 0),
+                          window_lengths=jnp.where(full, 0, c.window_lengths))
+
+    return jax.lax.cond(full.any(), flush, lambda c: c, cache)
+
+
+def write_window(window: jnp.ndarray, new: jnp.ndarray, at: jnp.ndarray) -> jnp.ndarray:
+    """Put one token's k or v `[B, K, D]` into a layer's window `[B, K, R, D]` at slot `at[b]` of each row."""
+    hit = jnp.arange(window.shape[2])[None, None, :, None] == at[:, None, None, None]
+    return jnp.where(hit, new[:, :, None, :].astype(window.dtype), window)
+
+
+def reconstruct_dense(cache: PQCache, k_cent: jnp.ndarray, v_cent: jnp.ndarray
+                      ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """What attention sees: decoded codes then the exact window, as k/v `[L, B, T+R, K, D]` float32
+    and key_valid `[B, T+R]` (coded slots < lengths, window slots < window_lengths)."""
+    k = jnp.concatenate([decode_layers(cache.k_codes, k_cent), cache.k_window.astype(jnp.float32)], axis=3)
+    v = jnp.concatenate([decode_layers(cache.v_codes, v_cent), cache.v_window.astype(jnp.float32)], axis=3)
+    valid = jnp.concatenate([jnp.arange(cache.capacity)[None] < cache.lengths[:, None],
+                             jnp.arange(cache.window)[None] < cache.window_lengths[:, None]], axis=1)
+    return k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4), valid
+
+
+def pq_cache_report(config: ModelConfig, codebooks: Codebooks, tokens: int, window: int = DEFAULT_WINDOW,
+                    batch: int = 1) -> dict[str, int | float]:
+    """Exact bytes of a PQ cache holding `tokens` tokens per row (codes, bf16 window, codebooks) vs dense bf16."""
+    if (codebooks.num_layers, codebooks.num_kv_heads, codebooks.head_dim) != (
+            config.num_layers, config.num_kv_heads, config.head_dim):
+        raise ValueError(
+            f"codebooks are for L={codebooks.num_layers}, K={codebooks.num_kv_heads}, D={codebooks.head_dim}; "
+            f"the model has L={config.num_layers}, K={config.num_kv_heads}, D={config.head_dim}")
+    report = cache_bytes(tokens, config.num_layers, config.num_kv_heads, config.head_dim, codebooks.ds,
+                         codebooks.bits, window, granularity=codebooks.granularity, batch=batch)
+    return {"tokens": tokens, "batch": batch, "window": window, "ds": codebooks.ds, "bits": codebooks.bits,
+            "granularity": codebooks.granularity, **report}

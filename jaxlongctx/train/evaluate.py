@@ -1,0 +1,140 @@
+"""Evaluation: perplexity on a corpus split (with a pluggable K/V transform) against a unigram
+baseline, and haystack answer accuracy against context length."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxlongctx.data.haystack import CODE_DIGITS, eval_seed, make_batch
+from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
+from jaxlongctx.model.attention import causal_prefill_attention
+from jaxlongctx.model.layers import DecoderLayer
+from jaxlongctx.model.llama import Llama, positions_from_mask
+from jaxlongctx.train.data import eval_windows
+
+# (k, v, layer) -> (k, v): applied to every layer's post-RoPE keys/values `[B, T, K, hd]` before
+# attention (e.g. fake quantization); `layer` is the traced layer index.
+KVTransform = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray], tuple[jnp.ndarray, jnp.ndarray]]
+
+
+def forward_with_kv_transform(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray,
+                              kv_transform: KVTransform | None = None) -> jnp.ndarray:
+    """Logits `[B, T, V]` of the full causal forward, with `kv_transform` applied to post-RoPE k/v."""
+    cos, sin = model.rope(positions_from_mask(mask))
+
+    def body(layer: DecoderLayer, h, index):
+        q, k, v = layer.project_qkv(h, cos, sin)
+        if kv_transform is not None:
+            k, v = kv_transform(k, v, index)
+        return layer.finish(h, causal_prefill_attention(q, k, v, mask)), None
+
+    h, _ = model.scan_layers(body, model.embed_ids(ids), jnp.arange(model.config.num_layers))
+    return model.head(h)
+
+
+def token_nll(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray,
+              kv_transform: KVTransform | None = None) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Summed next-token NLL and number of predicted tokens for windows ids/mask `[B, T+1]`."""
+    logits = forward_with_kv_transform(model, ids[:, :-1], mask[:, :-1], kv_transform)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+    weight = mask[:, 1:].astype(jnp.float32)
+    return jnp.sum(nll * weight), jnp.sum(weight)
+
+
+def perplexity(module: Llama, tokens: np.ndarray, context: int, batch_size: int = 8,
+               kv_transform: KVTransform | None = None) -> dict[str, float]:
+    """Mean NLL (nats/token) and perplexity over every token of `tokens`, in windows of `context`."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    windows = eval_windows(tokens, context)
+    graphdef, params = nnx.split(module)
+    step = jax.jit(lambda p, ids, mask: token_nll(nnx.merge(graphdef, p), ids, mask, kv_transform))
+    total, count = 0.0, 0.0
+    n = windows["ids"].shape[0]
+    for start in range(0, n, batch_size):
+        ids, mask = windows["ids"][start:start + batch_size], windows["mask"][start:start + batch_size]
+        if ids.shape[0] < batch_size:  # pad the last batch so there is one compiled shape
+            pad = batch_size - ids.shape[0]
+            ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)])
+            mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), bool)])
+        s, c = step(params, jnp.asarray(ids), jnp.asarray(mask))
+        total, count = total + float(s), count + float(c)
+    loss = total / count
+    return {"loss": loss, "ppl": math.exp(loss), "tokens": int(count)}
+
+
+def unigram_baseline(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int) -> dict[str, float]:
+    """NLL and perplexity on `eval_tokens` of an add-one-smoothed unigram model fit on `train_tokens`."""
+    counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    loss = float(-logp[np.asarray(eval_tokens)].mean())
+    return {"loss": loss, "ppl": math.exp(loss), "tokens": int(np.asarray(eval_tokens).size)}
+
+
+DIGIT_CHANCE = 0.1  # per answer digit; exact match of all CODE_DIGITS digits: 0.1 ** CODE_DIGITS
+
+
+def answer_inputs(ids: np.ndarray, answer_ids: np.ndarray) -> np.ndarray:
+    """Prompt `[B, P]` + all answer digits but the last -> `[B, P + CODE_DIGITS - 1]` (teacher forcing)."""
+    return np.concatenate([ids, answer_ids[:, :-1]], axis=1).astype(np.int32)
+
+
+def retrieval_accuracy(model: Callable[[np.ndarray], jnp.ndarray], length: int, samples: int, batch_size: int = 1,
+                       num_facts: int = 4) -> dict[str, float]:
+    """Greedy exact-match and per-digit accuracy on held-out haystack prompts of `length` tokens
+    (teacher-forced argmax: all digits right under teacher forcing == greedy decode right)."""
+    if samples < 1 or batch_size < 1:
+        raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
+    tokenizer = load_default_tokenizer()
+    exact, digits, done = 0, 0, 0
+    for i in range(0, samples, batch_size):
+        b = min(batch_size, samples - i)
+        raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts)
+        ids = answer_inputs(raw["ids"], raw["answer_ids"])
+        logits = model(ids)  # B T V
+        pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
+        hit = pred == raw["answer_ids"]
+        exact, digits, done = exact + int(hit.all(axis=1).sum()), digits + int(hit.sum()), done + b
+    return {"length": length, "samples": done, "exact_match": exact / done,
+            "digit_accuracy": digits / (done * CODE_DIGITS)}
+
+
+# --- CLI: eval-ppl --------------------------------------------------------------------------------
+def add_eval_ppl_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `jaxlongctx eval-ppl`."""
+    parser.add_argument("--ckpt", required=True, help="jaxlongctx checkpoint or HF model directory")
+    parser.add_argument("--split", choices=["train", "validation", "calibration"], default="validation")
+    parser.add_argument("--context", type=int, default=512, help="window length in tokens (default 512)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the split")
+    parser.add_argument("--baseline", action="store_true", help="also report the unigram baseline")
+
+
+def run_eval_ppl(args: argparse.Namespace, kv_transform: KVTransform | None = None) -> dict[str, Any]:
+    """`jaxlongctx eval-ppl`: print (as JSON) and return the perplexity of `--ckpt` on `--split`."""
+    from jaxlongctx.loading import load
+
+    if args.context < 1 or args.batch_size < 1:
+        raise ValueError(f"--context and --batch-size must be >= 1, got {args.context} and {args.batch_size}")
+    model = load(args.ckpt, args.dtype)
+    tokens = encode_corpus(args.split, model.tokenizer)
+    if args.max_tokens is not None:
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        tokens = tokens[:args.max_tokens]
+    result: dict[str, Any] = {"ckpt": str(args.ckpt), "split": args.split, "context": args.context,
+                              **perplexity(model.module, tokens, args.context, args.batch_size, kv_transform)}
+    if args.baseline:
+        result["unigram"] = unigram_baseline(encode_corpus("train", model.tokenizer), tokens, model.config.vocab_size)
+    print(json.dumps(result))
+    return result

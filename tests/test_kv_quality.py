@@ -1,0 +1,96 @@
+"""K/V fake-quantization perplexity and the calibrate / eval-ppl / generate --kv-cache command helpers."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlongctx
+from jaxlongctx.checkpoint import save_model
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.kv_quality import add_eval_kv_arguments, kv_perplexity, kv_transform, run_eval_kv
+from jaxlongctx.kvcache import fake_quantize
+from jaxlongctx.kvcache.calibrate import add_calibrate_arguments, model_fingerprint, run_calibrate
+from jaxlongctx.pq_generate import add_kv_cache_arguments, cache_stats, kv_cache_kwargs
+from jaxlongctx.train.evaluate import add_eval_ppl_arguments, perplexity
+
+# vocab of the default tokenizer, so the built-in corpus splits are valid ids
+CFG = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                  num_kv_heads=1, head_dim=16, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxlongctx.Model.init(CFG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ckpt(model, tmp_path_factory):
+    return save_model(model.module, tmp_path_factory.mktemp("m") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def codebooks_dir(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cb") / "codebooks"
+    p = argparse.ArgumentParser()
+    add_calibrate_arguments(p)
+    run_calibrate(p.parse_args(["--model", str(ckpt), "--out", str(out), "--bits", "4", "--iters", "2",
+                                "--granularity", "layer", "--seq-len", "128", "--max-tokens", "256"]))
+    return out
+
+
+def test_transforms(model):
+    k = jax.random.normal(jax.random.key(0), (1, 40, 1, 16))
+    assert kv_transform("dense") is None
+    with pytest.raises(ValueError, match="kv kind must be one of"):
+        kv_transform("int3")
+    with pytest.raises(ValueError, match="needs codebooks"):
+        kv_transform("pq")
+    k4, v4 = kv_transform("int4", group=8)(k, k, 0)
+    assert 0 < float(jnp.abs(k4 - k).max()) < 0.5 and float(jnp.abs(v4 - k).max()) < 0.5
+
+
+def test_calibrate_cli_and_pq_perplexity(model, ckpt, codebooks_dir):
+    from jaxlongctx.kvcache import load_codebooks
+
+    cb = load_codebooks(codebooks_dir)
+    assert cb.granularity == "layer" and cb.metadata["calibration_source"] == "calibration split"
+    assert cb.model_fingerprint == model_fingerprint(model)
+    k = jax.random.normal(jax.random.key(1), (1, 5, 1, 16))
+    kq, _ = kv_transform("pq", cb)(k, k, 1)
+    np.testing.assert_array_equal(kq, fake_quantize(k, cb.for_layer(1)[0]))
+    tokens = np.random.default_rng(0).integers(3, 4096, 200)
+    dense = kv_perplexity(model, tokens, 64, "dense", batch_size=2)
+    assert dense["ppl"] == pytest.approx(perplexity(model.module, tokens, 64, 2)["ppl"])
+    pq = kv_perplexity(model, tokens, 64, "pq", cb, batch_size=2)
+    assert pq["bits_per_element"] == 2.0 and abs(pq["ppl"] / dense["ppl"] - 1) < 0.05
+
+    p = argparse.ArgumentParser()
+    add_eval_ppl_arguments(p)
+    add_eval_kv_arguments(p)
+    args = p.parse_args(["--ckpt", str(ckpt), "--kv", "pq", "--codebooks", str(codebooks_dir), "--context", "64",
+                         "--max-tokens", "130", "--batch-size", "2"])
+    assert run_eval_kv(args)["kv"] == "pq"
+    with pytest.raises(ValueError, match="--codebooks is needed"):
+        run_eval_kv(p.parse_args(["--ckpt", str(ckpt), "--kv", "pq"]))
+
+
+def test_generate_kv_cache_options(model, ckpt, codebooks_dir):
+    p = argparse.ArgumentParser()
+    add_kv_cache_arguments(p)
+    kwargs = kv_cache_kwargs(p.parse_args(["--kv-cache", "pq", "--codebooks", str(codebooks_dir),
+                                           "--pq-window", "16"]), model)
+    out = jaxlongctx.generate(model, np.array([[5, 6, 7]], np.int32), 20, eos_id=-1, **kwargs)
+    assert out.shape == (1, 23)
+    stats = cache_stats(model, kwargs, 23)
+    assert stats["window_bytes"] == 2 * 2 * 1 * 16 * 16 * 2 and stats["codes_bytes"] == 2 * 2 * 1 * 7 * 8
+    assert cache_stats(model, {}, 23)["total_bytes"] == 2 * 2 * 23 * 16 * 2
+    other = jaxlongctx.Model.init(CFG, seed=4)
+    with pytest.raises(ValueError, match="were made for model"):
+        kv_cache_kwargs(p.parse_args(["--kv-cache", "pq", "--codebooks", str(codebooks_dir)]), other)
+    with pytest.raises(ValueError, match="--codebooks is needed"):
+        kv_cache_kwargs(p.parse_args(["--kv-cache", "pq"]), model)

@@ -1,0 +1,133 @@
+"""Generation over the PQ cache: logits equal exact attention over the reconstructed cache, long greedy runs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlongctx
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.kvcache import Codebooks, centroid_shape
+from jaxlongctx.kvcache.pq_cache import decode_layers, encode_layers
+from jaxlongctx.model.llama import decode_hidden, forward_hidden
+from jaxlongctx.pq_generate import pq_decode_hidden, pq_prefill
+
+CFG = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=16, eos_token_id=2)
+
+
+def kv_codebooks(model, granularity: str, bits: int = 4) -> Codebooks:
+    """Codebooks of the model's scale (centroids drawn from its own prompt K/V), no k-means needed."""
+    ids = np.random.default_rng(7).integers(3, 97, (1, 64)).astype(np.int32)
+    _, (k, v) = forward_hidden(model.module, jnp.asarray(ids), jnp.ones(ids.shape, bool), collect_kv=True)
+    shape = centroid_shape(granularity, CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, 2, bits)
+    m, c = shape[-3], shape[-2]
+
+    def pick(x, seed):  # x [L, 1, T, K, D] -> centroids of `shape` from random (token, subspace) pieces
+        pieces = np.asarray(x).reshape(-1, m, 2)
+        idx = np.random.default_rng(seed).integers(0, pieces.shape[0], (int(np.prod(shape[:-3])), c, m))
+        cent = pieces[idx, np.arange(m)]  # [P, C, M, 2]
+        return jnp.asarray(np.moveaxis(cent, 2, 1).reshape(shape), jnp.float32)
+
+    return Codebooks(pick(k, 0), pick(v, 1), granularity, 2, bits, CFG.head_dim, CFG.num_layers, CFG.num_kv_heads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxlongctx.Model.init(CFG, seed=1)
+
+
+def _fake_quantize_dense(x, cent):
+    """decode(encode(x)) of a dense cache x [L, B, S, K, D] with stacked centroids."""
+    xt = x.transpose(0, 1, 3, 2, 4)
+    return decode_layers(encode_layers(xt, cent), cent).transpose(0, 1, 3, 2, 4).astype(x.dtype)
+
+
+@pytest.mark.parametrize("granularity,keep_tail", [("layer_head", True),
+                                                    pytest.param("shared", False, marks=pytest.mark.slow)])
+def test_pq_logits_equal_dense_decode_over_reconstructed_cache(model, granularity, keep_tail):
+    """Teacher-forced: each PQ step equals a dense decode whose cache holds decode(encode(k/v)) for the
+    tokens the PQ cache has coded and exact k/v for its window tokens."""
+    cb = kv_codebooks(model, granularity)
+    k_cent, v_cent = cb.stacked()
+    window, steps, t = 4, 11, 8
+    rng = np.random.default_rng(3)
+    ids = rng.integers(3, 97, (2, t)).astype(np.int32)
+    mask = np.ones((2, t), bool)
+    mask[1, :3] = False  # row 1: 5 real tokens, left padded
+    toks = rng.integers(3, 97, (2, steps)).astype(np.int32)
+    params = model.params
+
+    prefill = jax.jit(lambda p, i, m: pq_prefill(model.merge(p), k_cent, v_cent, 32, window, keep_tail, i, m))
+    pq_step = jax.jit(lambda p, c, tok, pos: pq_decode_hidden(model.merge(p), k_cent, v_cent, tok, pos, c))
+    logits, cache = prefill(params, ids, mask)
+
+    # reference: dense cache of exact k/v in slots [0, t + steps); coded tokens fake-quantized
+    h, (k, v) = jax.jit(lambda p, i, m: forward_hidden(model.merge(p), i, m, collect_kv=True))(params, ids, mask)
+    np.testing.assert_allclose(logits, model(ids, mask)[np.arange(2), -1], atol=1e-5)
+    s = t + steps
+    pad = ((0, 0), (0, 0), (0, steps), (0, 0), (0, 0))
+    ek, ev = jnp.pad(k, pad), jnp.pad(v, pad)
+    valid = np.concatenate([mask, np.zeros((2, steps), bool)], axis=1)
+
+    @jax.jit
+    def ref_step(p, ek, ev, valid, coded, tok, pos, slot):
+        ak = jnp.where(coded[None, :, :, None, None], _fake_quantize_dense(ek, k_cent), ek)
+        av = jnp.where(coded[None, :, :, None, None], _fake_quantize_dense(ev, v_cent), ev)
+        module = model.merge(p)
+        h, nk, nv = decode_hidden(module, tok, pos, slot, ak, av, valid)
+        at = (jnp.arange(s) == slot)[None, None, :, None, None]
+        return module.head(h)[:, 0], jnp.where(at, nk, ek), jnp.where(at, nv, ev)
+
+    positions = mask.sum(axis=1)
+    for i in range(steps):
+        h_pq, cache = pq_step(params, cache, toks[:, i:i + 1], (positions + i)[:, None])
+        pq_logits = model.module.head(h_pq)[:, 0]
+        valid[:, t + i] = True
+        total = valid.sum(axis=1)
+        lens, wl = np.asarray(cache.lengths), np.asarray(cache.window_lengths)
+        np.testing.assert_array_equal(lens + wl, total)
+        coded = valid & (np.cumsum(valid, axis=1) <= lens[:, None])
+        ref_logits, ek, ev = ref_step(params, ek, ev, valid, coded, toks[:, i:i + 1], (positions + i)[:, None], t + i)
+        np.testing.assert_allclose(pq_logits, ref_logits, atol=1e-4, rtol=1e-4)
+    # bookkeeping: flush when the window is full, so 1..R tokens stay exact
+    n = np.array([8, 5]) + steps
+    want_wl = (n - 1) % window + 1 if keep_tail else np.full(2, (steps - 1) % window + 1)
+    np.testing.assert_array_equal(cache.window_lengths, want_wl)
+    np.testing.assert_array_equal(cache.lengths, n - want_wl)
+
+
+def test_greedy_pq_generation_300_steps_across_flushes(model):
+    cb = kv_codebooks(model, "layer")
+    ids = np.random.default_rng(4).integers(3, 97, (2, 10)).astype(np.int32)
+    mask = np.ones_like(ids, bool)
+    mask[0, :4] = False
+    out = jaxlongctx.generate(model, ids, 300, attention_mask=mask, eos_id=-1, kv_cache="pq", codebooks=cb,
+                              pq_window=128)
+    assert out.shape == (2, 310) and ((out[:, 10:] >= 0) & (out[:, 10:] < CFG.vocab_size)).all()
+    dense = jaxlongctx.generate(model, ids, 1, attention_mask=mask, eos_id=-1)
+    np.testing.assert_array_equal(out[:, 10], dense[:, 10])  # prefill attends in full precision
+    row = jaxlongctx.generate(model, ids[1:], 300, eos_id=-1, kv_cache="pq", codebooks=cb, pq_window=128)
+    np.testing.assert_array_equal(out[1], row[0])  # batch rows are independent
+
+
+def test_pq_generation_errors(model):
+    cb = kv_codebooks(model, "shared")
+    ids = np.array([[5, 6, 7]], np.int32)
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        jaxlongctx.generate(model, ids, 2, kv_cache="int4", codebooks=cb)
+    with pytest.raises(ValueError, match="needs codebooks"):
+        jaxlongctx.generate(model, ids, 2, kv_cache="pq")
+    with pytest.raises(ValueError, match="pq_window"):
+        jaxlongctx.generate(model, ids, 2, kv_cache="pq", codebooks=cb, pq_window=0)
+    other = Codebooks(cb.key_centroids, cb.value_centroids, "shared", 2, 4, 16, 2, 2,
+                      metadata={"model_fingerprint": "0123456789abcdef"})
+    with pytest.raises(ValueError, match="calibrated on another model"):
+        jaxlongctx.generate(model, ids, 2, kv_cache="pq", codebooks=other)
+    from jaxlongctx.armt.config import ARMTConfig
+
+    armt = model.with_armt(ARMTConfig(segment_size=8, num_mem_tokens=2, d_mem=4), jax.random.key(0))
+    with pytest.raises(ValueError, match="full-attention models"):
+        jaxlongctx.generate(armt, ids, 2, kv_cache="pq", codebooks=cb)
