@@ -83,20 +83,24 @@ def decode_hidden(model: Llama, ids: jnp.ndarray, positions: jnp.ndarray, slot: 
 
     ids `[B, 1]`, positions `[B, 1]` (RoPE), slot: scalar int (cache index the new token is written
     to, the same for every row), cache_k/v `[L, B, S, K, hd]`, key_valid `[B, S]` (already True at
-    `slot`) -> hidden `[B, 1, D]` and the updated caches. The cache is a scan carry updated in place.
+    `slot`) -> hidden `[B, 1, D]` and the updated caches.
+
+    The layer scan reads each layer's cache slice as a scanned input (never carrying the whole
+    cache, which would make XLA copy it every layer); the new token's keys/values of all layers
+    are written into the (donated) cache in place after the scan.
     """
     cos, sin = model.rope(positions)
-    b = ids.shape[0]
+    q_slot = jnp.full((ids.shape[0], 1), slot, jnp.int32)
 
-    def body(layer: DecoderLayer, carry, layer_index):
-        h, ck, cv = carry
+    def body(layer: DecoderLayer, h, layer_cache):
+        ck, cv = layer_cache  # [B, S, K, hd]
         q, k, v = layer.project_qkv(h, cos, sin)
-        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (layer_index, 0, slot, 0, 0))
-        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (layer_index, 0, slot, 0, 0))
-        q_slot = jnp.full((b, 1), slot, jnp.int32)
-        out = attention(q, ck[layer_index], cv[layer_index], q_slot, key_valid)
-        return (layer.finish(h, out), ck, cv), None
+        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, slot, 0, 0))
+        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, slot, 0, 0))
+        out = attention(q, ck, cv, q_slot, key_valid)
+        return layer.finish(h, out), (k, v)
 
-    (h, cache_k, cache_v), _ = model.scan_layers(
-        body, (model.embed_ids(ids), cache_k, cache_v), jnp.arange(model.config.num_layers))
+    h, (k_new, v_new) = model.scan_layers(body, model.embed_ids(ids), (cache_k, cache_v))  # k_new: L B 1 K hd
+    cache_k = jax.lax.dynamic_update_slice(cache_k, k_new.astype(cache_k.dtype), (0, 0, slot, 0, 0))
+    cache_v = jax.lax.dynamic_update_slice(cache_v, v_new.astype(cache_v.dtype), (0, 0, slot, 0, 0))
     return h, cache_k, cache_v
