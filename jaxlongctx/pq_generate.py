@@ -23,9 +23,9 @@ from jaxlongctx.kvcache.pq_cache import DEFAULT_WINDOW, PQCache, flush_full_rows
 from jaxlongctx.model.layers import DecoderLayer
 from jaxlongctx.model.llama import Llama, forward_hidden
 from jaxlongctx.model.model import Model
-from jaxlongctx.parallel import put_batch
+from jaxlongctx.parallel import put_batch, sharded_pq_decode_attention
 from jaxlongctx.validation import check_positive_int
-from pallas_kernels import pq_decode_attention
+
 
 KV_CACHES = ("dense", "pq")
 
@@ -50,7 +50,7 @@ def pq_decode_hidden(module: Llama, k_cent: jnp.ndarray, v_cent: jnp.ndarray, id
         k_codes, v_codes, k_win, v_win, kc, vc = xs  # one layer: [B K T M], [B K R D], [(K,) M C ds]
         q, k, v = layer.project_qkv(h, cos, sin)  # q [B 1 H D], k/v [B 1 K D]
         k_win, v_win = write_window(k_win, k[:, 0], at), write_window(v_win, v[:, 0], at)
-        out = pq_decode_attention(q[:, 0], k_codes, v_codes, kc, vc, cache.lengths, k_win, v_win, at + 1,
+        out = sharded_pq_decode_attention(q[:, 0], k_codes, v_codes, kc, vc, cache.lengths, k_win, v_win, at + 1,
                                   scale, backend=backend)  # [B H D]
         return layer.finish(h, out[:, None]), (k_win, v_win)
 
@@ -75,6 +75,9 @@ def check_pq_model(model: Any, codebooks: Any, window: int) -> int:
                          "recurrent memory (use kv_cache='dense')")
     if not isinstance(model, Model):
         raise ValueError(f"generate() needs a jaxlongctx Model, got {type(model).__name__}")
+    if model.mesh is not None:
+        raise ValueError("kv_cache='pq' on a device mesh is not supported yet (the codec is not sharding-aware); "
+                         "use kv_cache='dense' with tensor parallelism")
     if codebooks is None:
         raise ValueError("kv_cache='pq' needs codebooks= (see `jaxlongctx calibrate` and load_codebooks)")
     check_codebooks(model, codebooks)

@@ -147,6 +147,11 @@ def run_meshes() -> dict[str, Any]:
     out["cache_spec_2x2"] = prefill_cache_spec(shard_model(base, make_mesh(tp=2, dp=2)))
     out["loading"] = check_sharded_loading()
     out["pq_attention"] = check_pq_attention()
+    try:
+        jaxlongctx.generate(tp4, ids, 1, kv_cache="pq")
+        out["pq_generate_on_mesh"] = "no error"
+    except ValueError as e:
+        out["pq_generate_on_mesh"] = str(e)
     return out
 
 

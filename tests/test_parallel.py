@@ -92,6 +92,10 @@ def test_load_restores_into_shards(meshes, source):
     assert got["logit_max_diff"] <= TOLERANCE
 
 
+def test_pq_generation_on_a_mesh_is_a_clear_error(meshes):
+    assert "kv_cache='pq' on a device mesh is not supported yet" in meshes["pq_generate_on_mesh"]
+
+
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 def test_pq_kernel_runs_per_kv_head_shard(meshes, backend):
     got = meshes["pq_attention"][backend]

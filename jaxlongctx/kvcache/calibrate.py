@@ -30,9 +30,9 @@ def model_fingerprint(model: Model) -> str:
     h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
     leaves = jax.tree_util.tree_flatten_with_path(model.params)[0]
     for path, leaf in sorted(leaves, key=lambda pl: jax.tree_util.keystr(pl[0])):
-        flat = jnp.ravel(leaf)
+        flat = np.asarray(jax.device_get(leaf)).ravel()  # host copy: also works for sharded parameters
         step = max(1, flat.size // FINGERPRINT_SAMPLES)
-        sample = np.asarray(flat[::step].astype(jnp.bfloat16).astype(jnp.float32))
+        sample = flat[::step].astype(jnp.bfloat16).astype(np.float32)
         h.update(f"{jax.tree_util.keystr(path)}{tuple(leaf.shape)}".encode())
         h.update(sample.tobytes())
     return h.hexdigest()[:16]
