@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 _MASKED = -1e30  # finite, so rows with no visible key give zeros-weighted averages, never NaN
-PREFILL_CHUNK = 1024  # query rows per block in long causal prefill
+PREFILL_CHUNK = 512  # query rows per block in long causal prefill (512 measured fastest on CPU at 4K)
 
 
 def attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_slot: jnp.ndarray,
