@@ -2,16 +2,20 @@
 
     python bench/prefill_decode.py [--quick]
 
-Both sides run greedy generation through their public API: prefill time = generate 1 token;
-decode tokens/s = extra tokens / (time to generate 1 + n tokens - prefill time). Medians of
-interleaved repeats after a warm-up; our compile time is reported separately.
+Prefill: both sides generate one token through their public API (prompt forward + first token).
+Decode: both sides start from the same filled cache and run `--new-tokens` greedy steps, timed on
+their own: our jitted decode step over the static cache, `transformers`' forward with its dynamic
+cache (cropped back to the prompt before every repeat). Medians of interleaved repeats after a
+warm-up; our compile time is reported separately.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +28,7 @@ import jaxlongctx  # noqa: E402
 from convert.hf_llama import export_ckpt_to_hf  # noqa: E402
 from jaxlongctx.checkpoint import save_model  # noqa: E402
 from jaxlongctx.config import ModelConfig  # noqa: E402
+from jaxlongctx.generate import Request, _compiled, bucket_length  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
                      num_kv_heads=2, head_dim=64, rope_theta=500000.0, max_position_embeddings=65536)
@@ -33,7 +38,7 @@ def main() -> None:
     """Run the sweep and write bench/results/prefill_decode.{json,png}."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1K and 4K contexts only, fewer repeats")
-    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
     args = p.parse_args()
     import torch
     import transformers
@@ -47,40 +52,83 @@ def main() -> None:
         export_ckpt_to_hf(Path(tmp) / "ckpt", Path(tmp) / "hf")
         hf = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float32).eval()
 
-    def ours(ids, new):
-        return lambda: jaxlongctx.generate(model, ids, new, eos_id=-1)
+    def ours_prefill(ids):
+        return lambda: jaxlongctx.generate(model, ids, 1, eos_id=-1)
 
-    def theirs(ids, new):
+    def theirs_prefill(ids):
         t = torch.tensor(ids, dtype=torch.long)
 
         def run():
             with torch.no_grad():
-                return hf.generate(t, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                return hf.generate(t, max_new_tokens=1, min_new_tokens=1, do_sample=False,
                                    eos_token_id=None, pad_token_id=0)
         return run
 
     rows = []
     for ctx in contexts:
         ids = np.random.default_rng(ctx).integers(3, CONFIG.vocab_size, (1, ctx)).astype(np.int32)
-        t = interleaved_times({"ours_prefill": ours(ids, 1), "ours_gen": ours(ids, 1 + n),
-                               "hf_prefill": theirs(ids, 1), "hf_gen": theirs(ids, 1 + n)}, repeats=repeats)
-        row = {"context": ctx}
-        for side in ("ours", "hf"):
-            pre, gen = t[f"{side}_prefill"]["median_s"], t[f"{side}_gen"]["median_s"]
-            row[f"{side}_prefill_tokens_per_s"] = ctx / pre
-            row[f"{side}_decode_tokens_per_s"] = n / max(gen - pre, 1e-9)
-        row["ours_compile_and_first_prefill_s"] = t["ours_prefill"]["first_call_s"]
+        t = interleaved_times({"ours": ours_prefill(ids), "hf": theirs_prefill(ids)}, repeats=repeats)
+        decode = _decode_times(model, hf, ids, n, repeats)
+        row = {"context": ctx, "ours_prefill_tokens_per_s": ctx / t["ours"]["median_s"],
+               "hf_prefill_tokens_per_s": ctx / t["hf"]["median_s"],
+               "ours_decode_tokens_per_s": n / decode["ours"], "hf_decode_tokens_per_s": n / decode["hf"],
+               "ours_compile_and_first_prefill_s": t["ours"]["first_call_s"],
+               "raw_prefill_times": t, "decode_median_s": decode}
         row["prefill_ratio"] = row["ours_prefill_tokens_per_s"] / row["hf_prefill_tokens_per_s"]
         row["decode_ratio"] = row["ours_decode_tokens_per_s"] / row["hf_decode_tokens_per_s"]
-        row["raw_times"] = t
         rows.append(row)
         print(f"ctx {ctx:6d}: prefill {row['ours_prefill_tokens_per_s']:8.0f} vs {row['hf_prefill_tokens_per_s']:8.0f} "
               f"tok/s (x{row['prefill_ratio']:.2f}); decode {row['ours_decode_tokens_per_s']:6.1f} vs "
-              f"{row['hf_decode_tokens_per_s']:6.1f} tok/s (x{row['decode_ratio']:.2f})")
+              f"{row['hf_decode_tokens_per_s']:6.1f} tok/s (x{row['decode_ratio']:.2f})", flush=True)
     write_result("prefill_decode", {"config": CONFIG.to_dict(), "quick": args.quick, "new_tokens": n,
                                     "torch": torch.__version__, "transformers": transformers.__version__,
                                     "torch_threads": torch.get_num_threads(), "results": rows})
     _plot(rows)
+
+
+def _decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str, float]:
+    """Median seconds for `n` greedy decode steps from a filled cache, ours and `transformers`' side by side."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    req = Request.parse(model.config, ids, n, temperature=0.0, top_k=None, top_p=None, seed=0, eos_id=-1,
+                        attention_mask=None)
+    ids_p, mask_p = req.padded_prompt()
+    prefill, step = _compiled(model, bucket_length(ids_p.shape[1] + n), *req.static_key)
+    logits0, cache0 = prefill(model.params, jnp.asarray(ids_p), jnp.asarray(mask_p))
+    pos0, slot0 = ids.shape[1], ids_p.shape[1]
+    key, done = jax.random.key(0), jnp.zeros((1,), bool)
+    t = torch.tensor(ids, dtype=torch.long)
+    with torch.no_grad():
+        first = hf(input_ids=t, use_cache=True)
+    pkv, tok0 = first.past_key_values, first.logits[:, -1:].argmax(-1)
+
+    def ours() -> float:
+        cache, logits = jax.tree.map(jnp.copy, cache0), logits0  # the step donates its cache
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        for i in range(n):
+            _, _, logits, cache = step(model.params, cache, logits, key, done, jnp.array([pos0 + i], jnp.int32),
+                                       jnp.int32(slot0 + i))
+        jax.block_until_ready(logits)
+        return time.perf_counter() - t0
+
+    def theirs() -> float:
+        pkv.crop(ids.shape[1])
+        tok = tok0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(n):
+                tok = hf(input_ids=tok, past_key_values=pkv, use_cache=True).logits[:, -1:].argmax(-1)
+        return time.perf_counter() - t0
+
+    ours(), theirs()  # warm-up (compiles our step)
+    samples = {"ours": [], "hf": []}
+    for _ in range(repeats):
+        samples["ours"].append(ours())
+        samples["hf"].append(theirs())
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def _plot(rows: list[dict]) -> None:

@@ -50,13 +50,14 @@ def retrieval(armt: Any, context: int, samples: int, echo: Callable[[str], None]
     rows = []
     for i in range(samples):
         s = make_sample(eval_seed(i), context, tok, num_facts=1)
-        out, secs = _timed(lambda: generate(armt, s.ids[None], CODE_DIGITS, eos_id=-1))
+        out, secs = _timed(lambda: generate(armt, s.ids[None], CODE_DIGITS, eos_id=-1))  # exactly 4 tokens
         pred = out[0, context:]
         hit = pred == s.answer_ids
         rows.append({"exact": bool(hit.all()), "digits": int(hit.sum()), "seconds": secs})
         if i == 0:
             echo(f"  question: ...{s.question.strip()!r}")
-            echo(f"  ARMT answer: {tok.decode(pred.tolist())!r}   truth: {s.answer!r}   ({secs:.1f} s incl. compile)")
+            answer = tok.decode(pred.tolist(), skip_special_tokens=False)
+            echo(f"  ARMT answer: {answer!r}   truth: {s.answer!r}   ({secs:.1f} s incl. compile)")
     exact = sum(r["exact"] for r in rows) / samples
     digits = sum(r["digits"] for r in rows) / (samples * CODE_DIGITS)
     echo(f"  accuracy over {samples} samples: exact {exact:.0%} (chance {10.0 ** -CODE_DIGITS:.2%}), "
@@ -84,11 +85,11 @@ def decode_speed(base: Any, prompt_tokens: int, new_tokens: int, echo: Callable[
                  **cache: Any) -> dict[str, Any]:
     """Prefill `prompt_tokens` and decode `new_tokens` greedily; tokens/s of each phase."""
     ids = np.random.default_rng(1).integers(3, base.config.vocab_size, (1, prompt_tokens)).astype(np.int32)
-    _timed(lambda: generate(base, ids, 2, eos_id=-1, **cache))  # compile prefill and step
-    _, prefill_s = _timed(lambda: generate(base, ids, 1, eos_id=-1, **cache))
-    out, total_s = _timed(lambda: generate(base, ids, new_tokens + 1, eos_id=-1, **cache))
-    result = {"prefill_tokens_per_s": prompt_tokens / prefill_s,
-              "decode_tokens_per_s": new_tokens / max(total_s - prefill_s, 1e-9),
+    generate(base, ids, 2, eos_id=-1, **cache)  # compile prefill and step
+    t: dict[str, float] = {}
+    out = generate(base, ids, new_tokens, eos_id=-1, timings=t, **cache)
+    result = {"prefill_tokens_per_s": prompt_tokens / t["prefill_s"],
+              "decode_tokens_per_s": t["decode_steps"] / t["decode_s"],
               "generated_ids": out[0, prompt_tokens:].tolist()}
     name = cache.get("kv_cache", "dense")
     echo(f"  {name:5s} cache: prefill {result['prefill_tokens_per_s']:8,.0f} tok/s, "

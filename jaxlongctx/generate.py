@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -100,9 +101,11 @@ class Request:
         return ids, mask
 
     def decode(self, logits: jnp.ndarray, state: Any, step: Callable, *, progress: bool = False,
-               desc: str = "decode") -> np.ndarray:
+               desc: str = "decode", timings: dict | None = None) -> np.ndarray:
         """Run `step(state, logits, key, done, i) -> (ids, done, logits, state)` up to `max_new_tokens`
-        times (stopping early once every row is done); returns ids `[B, T + new]`."""
+        times (stopping early once every row is done); returns ids `[B, T + new]`. `timings`, if
+        given, receives `decode_s` and `decode_steps` (from ready logits to the last token)."""
+        t0 = time.perf_counter()
         done = jnp.zeros((self.ids.shape[0],), bool)
         keys = jax.random.split(jax.random.key(self.seed), self.max_new_tokens)
         out = []
@@ -112,6 +115,8 @@ class Request:
             if (i + 1) % _ALL_DONE_CHECK_EVERY == 0 and bool(done.all()):
                 break
         new = np.stack([np.asarray(x) for x in out], axis=1)
+        if timings is not None:
+            timings.update(decode_s=time.perf_counter() - t0, decode_steps=len(out))
         new = np.pad(new, ((0, 0), (0, self.max_new_tokens - new.shape[1])), constant_values=self.pad_id)
         return np.concatenate([self.ids, new], axis=1)
 
@@ -120,18 +125,20 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
              top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_id: int | list[int] | None = None, attention_mask: Any = None,
              progress: bool = False, kv_cache: str = "dense", codebooks: Any = None, pq_window: int = 128,
-             keep_prompt_tail_exact: bool = False) -> np.ndarray:
+             keep_prompt_tail_exact: bool = False, timings: dict | None = None) -> np.ndarray:
     """Generate `max_new_tokens` after `ids [B, T]`; returns ids `[B, T + new]` (greedy by default).
 
     Rows stop independently at `eos_id` (default: the config's eos) and are then filled with it.
     kv_cache="pq" decodes over a product-quantized cache (`codebooks`, see jaxlongctx.pq_generate).
+    `timings` (a dict, full-attention models) receives `prefill_s`, `decode_s` and `decode_steps`.
     """
     if kv_cache != "dense":  # checks kv_cache, the model (no ARMT) and the codebooks
         from jaxlongctx.pq_generate import generate_pq
 
         return generate_pq(model, ids, max_new_tokens, kv_cache=kv_cache, codebooks=codebooks, window=pq_window,
                            keep_prompt_tail_exact=keep_prompt_tail_exact, temperature=temperature, top_k=top_k,
-                           top_p=top_p, seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress)
+                           top_p=top_p, seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress,
+                           timings=timings)
     if hasattr(model, "generate_ids"):  # models with their own decoding (e.g. ARMT) plug in here
         return model.generate_ids(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                   seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress)
@@ -145,13 +152,17 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
     capacity = bucket_length(prompt_len + req.max_new_tokens)
     prefill, step = _compiled(model, capacity, *req.static_key)
 
-    logits, cache = prefill(model.params, put_batch(ids_p, model.mesh), put_batch(mask_p, model.mesh))
+    t0 = time.perf_counter()
+    logits, cache = jax.block_until_ready(
+        prefill(model.params, put_batch(ids_p, model.mesh), put_batch(mask_p, model.mesh)))
+    if timings is not None:
+        timings["prefill_s"] = time.perf_counter() - t0
     positions = jnp.asarray(req.mask.sum(axis=1), jnp.int32)
 
     def run(cache, logits, key, done, i):
         return step(model.params, cache, logits, key, done, positions + i, jnp.int32(prompt_len + i))
 
-    return req.decode(logits, cache, run, progress=progress)
+    return req.decode(logits, cache, run, progress=progress, timings=timings)
 
 
 def check_sampler(temperature: float, top_k: int | None, top_p: float | None, vocab: int) -> tuple:

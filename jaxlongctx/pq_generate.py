@@ -8,6 +8,7 @@ token's exact K/V into the window and attends through `pallas_kernels.pq_decode_
 from __future__ import annotations
 
 import argparse
+import time
 from functools import partial
 from typing import Any
 
@@ -88,7 +89,7 @@ def generate_pq(model: Any, ids: Any, max_new_tokens: int, *, kv_cache: str = "p
                 window: int = DEFAULT_WINDOW, keep_prompt_tail_exact: bool = False, temperature: float = 0.0,
                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                 eos_id: int | list[int] | None = None, attention_mask: Any = None, progress: bool = False,
-                backend: str = "auto") -> np.ndarray:
+                backend: str = "auto", timings: dict | None = None) -> np.ndarray:
     """`generate` with a PQ-compressed KV cache; same arguments and result (ids `[B, T + new]`)."""
     if kv_cache != "pq":
         raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
@@ -101,13 +102,17 @@ def generate_pq(model: Any, ids: Any, max_new_tokens: int, *, kv_cache: str = "p
     prefill, step = _compiled(model, capacity, window, bool(keep_prompt_tail_exact), *req.static_key, backend)
     k_cent, v_cent = codebooks.stacked()
 
-    logits, cache = prefill(model.params, k_cent, v_cent, put_batch(ids_p, model.mesh), put_batch(mask_p, model.mesh))
+    t0 = time.perf_counter()
+    logits, cache = jax.block_until_ready(
+        prefill(model.params, k_cent, v_cent, put_batch(ids_p, model.mesh), put_batch(mask_p, model.mesh)))
+    if timings is not None:
+        timings["prefill_s"] = time.perf_counter() - t0
     positions = jnp.asarray(req.mask.sum(axis=1), jnp.int32)
 
     def run(cache, logits, key, done, i):
         return step(model.params, k_cent, v_cent, cache, logits, key, done, positions + i)
 
-    return req.decode(logits, cache, run, progress=progress, desc="decode (pq)")
+    return req.decode(logits, cache, run, progress=progress, desc="decode (pq)", timings=timings)
 
 
 def _compiled(model: Model, capacity: int, window: int, keep_tail: bool, sampler: tuple, eos: tuple,
