@@ -58,6 +58,9 @@ def retrieval(armt: Any, context: int, samples: int, echo: Callable[[str], None]
             echo(f"  question: ...{s.question.strip()!r}")
             answer = tok.decode(pred.tolist(), skip_special_tokens=False)
             echo(f"  ARMT answer: {answer!r}   truth: {s.answer!r}   ({secs:.1f} s incl. compile)")
+            if not np.isfinite(np.asarray(armt(s.ids[None])[0, -1])).all():
+                echo("  warning: this ARMT model's memory state diverged (non-finite logits) at this length; "
+                     "its fine-tuning saw at most 4 segments")
     exact = sum(r["exact"] for r in rows) / samples
     digits = sum(r["digits"] for r in rows) / (samples * CODE_DIGITS)
     echo(f"  accuracy over {samples} samples: exact {exact:.0%} (chance {10.0 ** -CODE_DIGITS:.2%}), "
