@@ -39,21 +39,6 @@ def block(x: Any) -> Any:
     return jax.block_until_ready(x)
 
 
-def time_fn(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> dict[str, float]:
-    """Time `fn()` (blocking on its result): the first call is reported as compile+run."""
-    t0 = time.perf_counter()
-    block(fn())
-    first = time.perf_counter() - t0
-    for _ in range(max(warmup - 1, 0)):
-        block(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        block(fn())
-        times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times), "first_call_s": first, "repeats": repeats}
-
-
 def interleaved_times(fns: dict[str, Callable[[], Any]], *, repeats: int = 5) -> dict[str, dict[str, float]]:
     """Time several functions side by side, alternating calls so machine noise hits all alike."""
     out: dict[str, dict[str, float]] = {}

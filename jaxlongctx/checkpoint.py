@@ -15,7 +15,6 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -129,7 +128,3 @@ def load_module(path: str | Path, dtype: jnp.dtype | None = None,
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)
 
-
-def as_numpy_tree(params: Any) -> dict[str, Any]:
-    """A pure parameter dict with numpy leaves (host copies)."""
-    return jax.tree.map(np.asarray, params)
