@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import plot_path, write_result  # noqa: E402
+from bench.common import plot_path, save_plot, subplots, write_result  # noqa: E402
 from jaxlongctx.data.haystack import CODE_DIGITS  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL  # noqa: E402
 from jaxlongctx.loading import load  # noqa: E402
@@ -54,12 +54,7 @@ def main() -> None:
 
 
 def _plot(rows: dict[str, list[dict]], chance: dict[str, float]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = subplots(1, 2, figsize=(11, 4))
     for ax, metric in zip(axes, ("exact_match", "digit_accuracy")):
         for name, rs in rows.items():
             ax.plot([r["length"] for r in rs], [r[metric] for r in rs], "o-", label=name)
@@ -71,8 +66,7 @@ def _plot(rows: dict[str, list[dict]], chance: dict[str, float]) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("haystack retrieval: ARMT (diagonal schedule) vs full attention")
-    fig.tight_layout()
-    fig.savefig(plot_path("armt_retrieval"), dpi=110)
+    save_plot(fig, plot_path("armt_retrieval"), dpi=110)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import interleaved_times, peak_rss_bytes, plot_path, write_result
+from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result
 from jaxlongctx.armt import ARMTConfig
 from jaxlongctx.armt.diagonal import computed_cells, empty_pipeline, fixed_buffer_waste, plan, run_block
 from jaxlongctx.armt.segments import Segments
 from jaxlongctx.armt.sequential import zero_state
+from jaxlongctx.demo import peak_rss_bytes
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.model import Model
 
@@ -117,14 +118,9 @@ def run(sweep_name: str) -> dict[str, Any]:
 
 def plot(payload: dict[str, Any], name: str) -> None:
     """Log-log wall time against length: full attention, and each ARMT config's two schedules."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = payload["rows"]
     lengths = [r["length"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = subplots(figsize=(7, 5))
     configs = sorted({k.split()[-1] for k in rows[0]["times"] if k != "full"}, key=lambda c: int(c.split("/")[0]))
     for key in rows[0]["times"]:
         kind, config = (key.split() + [""])[:2]
@@ -138,8 +134,7 @@ def plot(payload: dict[str, Any], name: str) -> None:
     ax.set_title(f"ARMT schedules vs full attention ({payload['sweep']}, {jax.default_backend()})")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(plot_path(name), dpi=120)
+    save_plot(fig, plot_path(name), dpi=120)
 
 
 def main() -> None:

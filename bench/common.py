@@ -73,8 +73,22 @@ def plot_path(name: str) -> Path:
     return RESULTS_DIR / f"{name}.png"
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far (bytes)."""
-    import resource
+def subplots(*args: Any, **kwargs: Any) -> Any:
+    """`matplotlib.pyplot.subplots` on the non-interactive Agg backend."""
+    import matplotlib
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save_plot(fig: Any, path: Path, *, dpi: int = 120, **layout: Any) -> Path:
+    """Lay out, write and close a figure; `layout` goes to `tight_layout`."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout(**layout)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import interleaved_times, plot_path, write_result
+from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result
 from pallas_kernels import grouped_matmul, pq_decode_attention
 from pallas_kernels.grouped_matmul import grouped_matmul_reference
 from pallas_kernels.pq_attention_reference import pq_decode_attention_reference
@@ -216,12 +216,7 @@ def time_pq(cfg: Config, rng: np.random.Generator) -> list[dict[str, Any]]:
 
 def plot(gemm_rows: list[dict[str, Any]], pq_rows: list[dict[str, Any]], name: str) -> None:
     """Left: grouped-GEMM time per num_active (up projection); right: PQ vs exact time per context."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_g, ax_p) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (ax_g, ax_p) = subplots(1, 2, figsize=(12, 4))
     up = [r for r in gemm_rows if r["projection"] == "mlp_up"]
     for m in ("pallas", "einsum", "ragged_dot"):
         ax_g.plot([r["num_active"] for r in up], [r["times"][m]["median_s"] * 1e3 for r in up], marker="o", label=m)
@@ -237,9 +232,7 @@ def plot(gemm_rows: list[dict[str, Any]], pq_rows: list[dict[str, Any]], name: s
     for ax in (ax_g, ax_p):
         ax.grid(True, alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(plot_path(name), dpi=120)
-    print(f"wrote {plot_path(name)}")
+    save_plot(fig, plot_path(name), dpi=120)
 
 
 def main() -> int:

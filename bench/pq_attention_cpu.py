@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import interleaved_times, plot_path, write_result
+from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result
 from pallas_kernels import pq_decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, CENTROIDS, WINDOW = 32, 8, 128, 256, 128
@@ -83,13 +83,8 @@ def measure(context: int, repeats: int, rng: np.random.Generator) -> dict[str, A
 
 def plot(rows: list[dict[str, Any]], name: str) -> None:
     """Median time and bytes per decode step against context length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     contexts = [r["context"] for r in rows]
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_t, ax_b) = subplots(1, 2, figsize=(11, 4))
     for method in ("exact_bf16", "exact_fp32", *(f"pq_ds{d}" for d in SUB_DIMS)):
         ax_t.plot(contexts, [r["times"][method]["median_s"] * 1e3 for r in rows], marker="o", label=method)
         ax_b.plot(contexts, [r["bytes"][method] / 2**20 for r in rows], marker="o", label=method)
@@ -101,9 +96,7 @@ def plot(rows: list[dict[str, Any]], name: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.suptitle(f"PQ decode attention (XLA, CPU) vs exact, H={HEADS} K={KV_HEADS} D={HEAD_DIM}")
-    fig.tight_layout()
-    fig.savefig(plot_path(name), dpi=120)
-    print(f"wrote {plot_path(name)}")
+    save_plot(fig, plot_path(name), dpi=120)
 
 
 NOTES = (

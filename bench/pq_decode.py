@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from bench.common import interleaved_times, plot_path, write_result
+from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result
 from jaxlongctx.config import ModelConfig
 
 LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
@@ -189,12 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _plot(payload: dict, path: Path) -> None:
     """Left: time per output token vs context; right: cache compression vs context."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = subplots(1, 2, figsize=(11, 4))
     ctx = [r["context"] for r in payload["timing"]]
     a.plot(ctx, [1e3 * r["dense_s_per_token"] for r in payload["timing"]], "o-", label="dense")
     for ds in (2, 4):
@@ -213,9 +208,7 @@ def _plot(payload: dict, path: Path) -> None:
     b.set(xscale="log", xlabel="context (tokens)", ylabel="dense bf16 bytes / PQ bytes",
           title="KV cache compression vs dense bf16 (R=128)")
     b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_plot(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

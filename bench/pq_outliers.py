@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import plot_path, write_result
+from bench.common import plot_path, save_plot, subplots, write_result
 from jaxlongctx.kvcache import effective_bits, fake_quantize, fake_quantize_keys, fake_quantize_values, train_codebooks
 
 D = 128
@@ -118,11 +118,6 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
 
 def plot(payload: dict[str, Any], name: str) -> None:
     """Two panels (channel / token outliers): attention relative error vs outlier factor."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     styles = {
         "pq_ds2": ("tab:blue", "-", "o"),
         "int4_g32": ("tab:orange", "-", "s"),
@@ -132,7 +127,7 @@ def plot(payload: dict[str, Any], name: str) -> None:
         "int2_g128": ("tab:red", ":", "s"),
     }
     factors = payload["config"]["factors"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(13, 4.2), sharey=True)
     for ax, scenario in zip(axes, SCENARIOS):
         for method, (color, ls, marker) in styles.items():
             bpe = payload["methods"][method]["bits_per_element"]
@@ -146,9 +141,7 @@ def plot(payload: dict[str, Any], name: str) -> None:
     axes[0].set_ylabel("attention output relative error")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="center right", fontsize=8)
     fig.suptitle(f"PQ vs uniform KV quantization, D={D}, T={payload['config']['tokens']}")
-    fig.tight_layout(rect=(0, 0, 0.86, 1))
-    fig.savefig(plot_path(name), dpi=120)
-    print(f"wrote {plot_path(name)}")
+    save_plot(fig, plot_path(name), dpi=120, rect=(0, 0, 0.86, 1))
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.common import plot_path, write_result
+from bench.common import plot_path, save_plot, subplots, write_result
 
 DEFAULT_CKPT = Path(__file__).resolve().parents[1] / "jaxlongctx" / "assets" / "base_model"
 
@@ -91,12 +91,7 @@ def _label(row: dict) -> str:
 
 def _plot(rows: list[dict], path: Path) -> None:
     """Bar chart of perplexity per K/V format, annotated with bits per element."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = subplots(figsize=(9, 4))
     labels = [_label(r) for r in rows]
     ppl = [r["ppl"] for r in rows]
     colors = ["gray" if r["kv"] == "dense" else "tab:orange" if r["kv"].startswith("int") else "tab:blue" for r in rows]
@@ -109,9 +104,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("validation perplexity")
     ax.set_title("K/V fake quantization: perplexity (label: stored bits per element)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_plot(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

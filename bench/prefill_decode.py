@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import interleaved_times, plot_path, write_result  # noqa: E402
+from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result  # noqa: E402
 
 import jaxlongctx  # noqa: E402
 from convert.hf_llama import export_ckpt_to_hf  # noqa: E402
@@ -133,13 +133,8 @@ def _decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str,
 
 
 def _plot(rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ctx = [r["context"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = subplots(1, 2, figsize=(10, 4))
     for ax, kind in zip(axes, ("prefill", "decode")):
         ax.plot(ctx, [r[f"ours_{kind}_tokens_per_s"] for r in rows], "o-", label="jaxlongctx")
         ax.plot(ctx, [r[f"hf_{kind}_tokens_per_s"] for r in rows], "s--", label="transformers (torch CPU)")
@@ -149,8 +144,7 @@ def _plot(rows: list[dict]) -> None:
         ax.set_ylabel("tokens / s")
         ax.set_title(f"{kind} throughput")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(plot_path("prefill_decode"), dpi=100)
+    save_plot(fig, plot_path("prefill_decode"), dpi=100)
 
 
 if __name__ == "__main__":

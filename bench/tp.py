@@ -20,7 +20,7 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import interleaved_times, plot_path, write_result  # noqa: E402
+from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result  # noqa: E402
 from jaxlongctx.config import ModelConfig  # noqa: E402
 from jaxlongctx.generate import bucket_length, generate  # noqa: E402
 from jaxlongctx.model.model import Model  # noqa: E402
@@ -69,13 +69,8 @@ def measure(config: ModelConfig, tps: list[int], prompt: int, new_tokens: int, r
 
 def plot(rows: list[dict], name: str) -> None:
     """Step times and per-device memory vs tp, relative to tp = 1."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tps = [r["tp"] for r in rows]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_t, ax_m) = subplots(1, 2, figsize=(11, 4))
     for key, label in (("prefill_s", "prefill (full forward)"), ("decode_step_s", "decode step")):
         ax_t.plot(tps, [r[key] / rows[0][key] for r in rows], "o-", label=label)
     ax_t.set_xscale("log", base=2)
@@ -89,9 +84,7 @@ def plot(rows: list[dict], name: str) -> None:
     ax_m.set(yscale="log", xticks=tps, xticklabels=tps, xlabel="tp", ylabel="MiB per device",
              title="per-device memory vs tp")
     ax_m.legend()
-    fig.tight_layout()
-    fig.savefig(plot_path(name), dpi=100)
-    print(f"wrote {plot_path(name)}")
+    save_plot(fig, plot_path(name), dpi=100)
 
 
 def main() -> None:

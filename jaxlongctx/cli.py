@@ -166,30 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(c)
     c.set_defaults(func=_cmd_convert)
 
-    cal = sub.add_parser("calibrate", help="train PQ codebooks for a model's post-RoPE keys and values",
-                         description="Run the model over calibration text, collect post-RoPE keys and values, and "
-                                     "train product-quantization codebooks with k-means.")
-    add_calibrate_arguments(cal)
-    cal.set_defaults(func=_command("jaxlongctx.kvcache.calibrate:run_calibrate"))
-
-    e = sub.add_parser("eval-ppl", help="perplexity on a corpus split, optionally with quantized K/V",
-                       description="Perplexity of a model on held-out text; --kv fake-quantizes every token's "
-                                   "keys and values (pq, int4, int2) to measure the cache's quality loss.")
-    add_eval_ppl_arguments(e)
-    add_eval_kv_arguments(e)
-    e.set_defaults(func=_command("jaxlongctx.kv_quality:run_eval_kv"))
-
-    t = sub.add_parser("train-lm", help="pretrain a small Llama on the built-in corpus",
-                       description="Pretrain (or resume) a small Llama with AdamW on the built-in corpus; "
-                                   "checkpoints, validation perplexity and a loss-curve PNG go to --out.")
-    add_train_lm_arguments(t)
-    t.set_defaults(func=_command("jaxlongctx.train.lm:run_train_lm"))
-
-    a = sub.add_parser("train-armt", help="fine-tune ARMT on the long-context retrieval task",
-                       description="Fine-tune ARMT memory (and optionally the base weights) through the diagonal "
-                                   "schedule with a curriculum over the number of segments.")
-    add_train_armt_arguments(a)
-    a.set_defaults(func=_command("jaxlongctx.train.armt_finetune:run_train_armt"))
+    # Commands whose arguments and runner live with their feature: (name, help, description,
+    # argument adders, "module:function" run on use).
+    for name, help_text, description, adders, runner in (
+        ("calibrate", "train PQ codebooks for a model's post-RoPE keys and values",
+         "Run the model over calibration text, collect post-RoPE keys and values, and train "
+         "product-quantization codebooks with k-means.",
+         (add_calibrate_arguments,), "jaxlongctx.kvcache.calibrate:run_calibrate"),
+        ("eval-ppl", "perplexity on a corpus split, optionally with quantized K/V",
+         "Perplexity of a model on held-out text; --kv fake-quantizes every token's keys and values "
+         "(pq, int4, int2) to measure the cache's quality loss.",
+         (add_eval_ppl_arguments, add_eval_kv_arguments), "jaxlongctx.kv_quality:run_eval_kv"),
+        ("train-lm", "pretrain a small Llama on the built-in corpus",
+         "Pretrain (or resume) a small Llama with AdamW on the built-in corpus; checkpoints, validation "
+         "perplexity and a loss-curve PNG go to --out.",
+         (add_train_lm_arguments,), "jaxlongctx.train.lm:run_train_lm"),
+        ("train-armt", "fine-tune ARMT on the long-context retrieval task",
+         "Fine-tune ARMT memory (and optionally the base weights) through the diagonal schedule with a "
+         "curriculum over the number of segments.",
+         (add_train_armt_arguments,), "jaxlongctx.train.armt_finetune:run_train_armt"),
+    ):
+        cmd = sub.add_parser(name, help=help_text, description=description)
+        for add in adders:
+            add(cmd)
+        cmd.set_defaults(func=_command(runner))
     return p
 
 

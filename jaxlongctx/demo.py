@@ -29,9 +29,9 @@ ARMT_MODEL = ASSETS / "armt_model"
 BASE_CODEBOOKS = ASSETS / "base_model_pq_ds2"
 
 
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process in MiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far (bytes; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -134,15 +134,14 @@ def run_demo(*, base: Any = None, armt: Any = None, codebooks: Any = None, conte
         result["pq"] = decode_speed(base, prompt_tokens, new_tokens, echo, kv_cache="pq", codebooks=codebooks)
 
     echo(f"\n[4] memory at {context:,} tokens")
-    from jaxlongctx.kvcache.codebooks import cache_bytes
+    from jaxlongctx.kvcache.pq_cache import pq_cache_report
 
     mem = {"armt_state": armt.state_bytes(), "dense_kv_bf16": dense_cache_bytes(cfg, context)}
     if codebooks is not None:
-        mem["pq_kv"] = cache_bytes(context, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, codebooks.ds,
-                                   codebooks.bits, 128, granularity=codebooks.granularity)["total_bytes"]
+        mem["pq_kv"] = pq_cache_report(cfg, codebooks, context)["total_bytes"]
     for name, n in mem.items():
         echo(f"  {name:14s} {_mib(n):>12s}   (dense / this: x{mem['dense_kv_bf16'] / n:.1f})")
     result["memory_bytes"] = mem
-    result["peak_rss_mib"] = peak_rss_mib()
+    result["peak_rss_mib"] = peak_rss_bytes() / 2**20
     echo(f"  peak process memory (RSS): {result['peak_rss_mib']:,.0f} MiB")
     return result
