@@ -62,12 +62,9 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> An
         raise ValueError(f"{path}: no such model directory")
     target = parse_dtype(dtype)
     if is_checkpoint(path) and "armt" in read_metadata(path):
-        if mesh is not None:
-            raise ValueError(f"{path}: loading an ARMT checkpoint onto a mesh is not supported; "
-                             "load the base model with mesh= and wrap it with with_armt instead")
         from jaxlongctx.armt import ARMTModel  # noqa: PLC0415
 
-        armt = ARMTModel.load(path, target)
+        armt = ARMTModel.load(path, target, mesh)
         armt.tokenizer = armt.base.tokenizer = load_tokenizer(path)
         return armt
     if is_checkpoint(path):

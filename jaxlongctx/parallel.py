@@ -12,6 +12,7 @@ Pallas PQ kernel. Everything here is a no-op for unsharded (single-device) array
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,6 +37,7 @@ LOGICAL_AXES: dict[str, str | None] = {
     "layers": None,
     "head_dim": None,
     "seq": None,
+    "mem_value": TENSOR,  # the value (model-width) axis of ARMT's W_mv and memory state A
 }
 
 # Logical axes of every parameter, by leaf name (per-layer leaves lead with "layers").
@@ -61,6 +63,19 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 }
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # DenseCache k/v [L, B, S, K, hd]
+
+# ARMT memory parameters (`MemoryParams`) by leaf name, and the memory state A [L, B, dk, D], z [L, B, dk].
+# W_mv is column parallel: each device holds the value columns (and the columns of A) of its shard,
+# the delta-rule write is local to them, and the read gathers the D columns once per layer.
+MEMORY_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "memory": (None, "embed"),
+    "wq": ("layers", "embed", None),
+    "wk": ("layers", "embed", None),
+    "wv": ("layers", "embed", "mem_value"),
+    "wb": ("layers", "embed"),
+    "bb": ("layers",),
+}
+MEMORY_STATE_AXES = {"A": ("layers", "batch", None, "mem_value"), "z": ("layers", "batch", None)}
 
 
 def make_mesh(tp: int = 1, dp: int = 1, devices: list[Any] | None = None) -> Mesh:
@@ -137,6 +152,28 @@ def shard_model(model: Any, mesh: Mesh) -> Any:
     return Model(nnx.merge(graphdef, state), tokenizer=model.tokenizer)
 
 
+def memory_shardings(mesh: Mesh, pure: dict[str, Any]) -> dict[str, NamedSharding]:
+    """`NamedSharding`s of ARMT memory parameters (a pure dict keyed by `MEMORY_PARAM_AXES` names)."""
+    return {name: NamedSharding(mesh, logical_spec(MEMORY_PARAM_AXES[name])) for name in pure}
+
+
+def shard_memory(memory: Any, mesh: Mesh) -> None:
+    """Place ARMT memory parameters (an `nnx.Module` with `MEMORY_PARAM_AXES` leaves) on `mesh`, in place."""
+    state = nnx.state(memory)
+    pure = nnx.to_pure_dict(state)
+    nnx.replace_by_pure_dict(state, jax.tree.map(put, pure, memory_shardings(mesh, pure)))
+    nnx.update(memory, state)
+
+
+def memory_state_shardings(mesh: Mesh, batch: int) -> dict[str, NamedSharding]:
+    """Shardings of the ARMT memory state `{"A": ..., "z": ...}` for `batch` rows (split over dp when
+    it divides the batch) with A's value columns over tp."""
+    rows = batch_sharding(mesh, (batch,)).spec[0]
+    return {name: NamedSharding(mesh, P(*(rows if a == "batch" else None if a is None else LOGICAL_AXES[a]
+                                          for a in axes)))
+            for name, axes in MEMORY_STATE_AXES.items()}
+
+
 def mesh_of(tree: Any) -> Mesh | None:
     """The mesh the leaves of a (parameter) pytree are sharded on, or None if they are not."""
     leaves = jax.tree.leaves(tree)
@@ -144,18 +181,20 @@ def mesh_of(tree: Any) -> Mesh | None:
     return sharding.mesh if isinstance(sharding, NamedSharding) else None
 
 
-def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """Batch-leading activations split over the data axis (replicated if dp is 1 or does not divide
-    the batch; a size-1 batch dim on a size-1 axis loses its sharding in some JAX ops)."""
-    split = mesh.shape[DATA] > 1 and shape[0] % mesh.shape[DATA] == 0
-    return NamedSharding(mesh, P(LOGICAL_AXES["batch"] if split else None, *([None] * (len(shape) - 1))))
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...], axis: int = 0) -> NamedSharding:
+    """Activations with their batch at `axis` split over the data axis (replicated if dp is 1 or does
+    not divide the batch; a size-1 batch dim on a size-1 axis loses its sharding in some JAX ops)."""
+    split = mesh.shape[DATA] > 1 and shape[axis] % mesh.shape[DATA] == 0
+    spec = [None] * len(shape)
+    spec[axis] = LOGICAL_AXES["batch"] if split else None
+    return NamedSharding(mesh, P(*spec))
 
 
-def put_batch(x: Any, mesh: Mesh | None) -> jax.Array:
-    """A batch-leading input on device: plain `jnp.asarray` without a mesh, else split over `dp`."""
+def put_batch(x: Any, mesh: Mesh | None, axis: int = 0) -> jax.Array:
+    """An input with its batch at `axis` on device: plain `jnp.asarray` without a mesh, else split over `dp`."""
     if mesh is None:
         return jnp.asarray(x)
-    return put(np.asarray(x), batch_sharding(mesh, np.shape(x)))
+    return put(np.asarray(x), batch_sharding(mesh, np.shape(x), axis))
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
@@ -185,6 +224,29 @@ def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
         return jnp.take(table, ids, axis=0)
     out = NamedSharding(sharding.mesh, P(*jax.typeof(ids).sharding.spec, None))
     return table.at[ids].get(out_sharding=out)
+
+
+def mesh_of_arrays(*args: Any) -> Mesh | None:
+    """The mesh the array leaves of `args` live on (traced or concrete), or None when none is on a mesh."""
+    for leaf in jax.tree.leaves(args):
+        mesh = jax.typeof(leaf).sharding.mesh
+        if not mesh.empty:
+            return mesh
+    return None
+
+
+def per_kv_shard(fn: Callable[..., Any], out_specs: Any, *args: Any) -> Any:
+    """`fn(*args)` run on each device's own (batch rows, kv heads) shard when `args` are on a mesh.
+
+    For work that is local to a batch row and a kv head (PQ encoding, cache updates), so no
+    communication is needed: the inputs keep their shardings (their specs are the in_specs) and
+    `out_specs` (a pytree of `PartitionSpec`s) says how the results are laid out. Off a mesh this
+    is a plain call."""
+    mesh = mesh_of_arrays(*args)
+    if mesh is None:
+        return fn(*args)
+    in_specs = jax.tree.map(lambda a: jax.typeof(a).sharding.spec, args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
 
 
 def sharded_pq_decode_attention(q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_cent: jax.Array,

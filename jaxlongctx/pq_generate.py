@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlongctx.generate import Request, bucket_length, choose_next, last_real_index
 from jaxlongctx.kvcache.calibrate import check_codebooks
@@ -24,7 +26,7 @@ from jaxlongctx.kvcache.pq_cache import DEFAULT_WINDOW, PQCache, flush_full_rows
 from jaxlongctx.model.layers import DecoderLayer
 from jaxlongctx.model.llama import Llama, forward_hidden
 from jaxlongctx.model.model import Model
-from jaxlongctx.parallel import put_batch, sharded_pq_decode_attention
+from jaxlongctx.parallel import LOGICAL_AXES, per_kv_shard, put, put_batch, sharded_pq_decode_attention
 from jaxlongctx.validation import check_positive_int
 
 
@@ -36,13 +38,29 @@ def pq_prefill(module: Llama, k_cent: jnp.ndarray, v_cent: jnp.ndarray, capacity
     """Full-precision forward over ids/mask `[B, T]`; returns last-token logits `[B, V]` and the encoded cache."""
     h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)  # k/v: L B T K D
     logits = module.head(jnp.take_along_axis(h, last_real_index(mask)[:, None, None], axis=1))[:, 0]
-    return logits, PQCache.from_prefill(k, v, mask, k_cent, v_cent, capacity, window, keep_tail_exact)
+    encode = partial(PQCache.from_prefill, capacity=capacity, window=window, keep_tail_exact=keep_tail_exact)
+    return logits, per_kv_shard(encode, _cache_specs(mask), k, v, mask, k_cent, v_cent)
+
+
+def _cache_specs(rows: jnp.ndarray) -> PQCache:
+    """PQ cache layout on a mesh: rows split like `rows` (a batch-leading array), kv heads over tp."""
+    return PQCache.partition_specs(jax.typeof(rows).sharding.spec[0], LOGICAL_AXES["kv_heads"])
+
+
+def place_codebooks(k_cent: jnp.ndarray, v_cent: jnp.ndarray, mesh: Mesh | None) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Stacked centroids on the model's mesh: per-kv-head ones `[L, K, M, C, ds]` split over tp, shared
+    ones `[L, M, C, ds]` replicated; unchanged without a mesh."""
+    if mesh is None:
+        return k_cent, v_cent
+    heads = (None, LOGICAL_AXES["kv_heads"]) if k_cent.ndim == 5 else ()
+    sharding = NamedSharding(mesh, P(*heads))
+    return put(k_cent, sharding), put(v_cent, sharding)
 
 
 def pq_decode_hidden(module: Llama, k_cent: jnp.ndarray, v_cent: jnp.ndarray, ids: jnp.ndarray,
                      positions: jnp.ndarray, cache: PQCache, backend: str = "auto") -> tuple[jnp.ndarray, PQCache]:
     """One decode step: ids/positions `[B, 1]`, stacked centroids `[L, (K,) M, C, ds]` -> hidden `[B, 1, D]`, cache."""
-    cache = flush_full_rows(cache, k_cent, v_cent)
+    cache = per_kv_shard(flush_full_rows, _cache_specs(cache.lengths), cache, k_cent, v_cent)
     cos, sin = module.rope(positions)
     scale = module.config.head_dim ** -0.5
     at = cache.window_lengths  # window slot of the new token, per row
@@ -76,9 +94,6 @@ def check_pq_model(model: Any, codebooks: Any, window: int) -> int:
                          "recurrent memory (use kv_cache='dense')")
     if not isinstance(model, Model):
         raise ValueError(f"generate() needs a jaxlongctx Model, got {type(model).__name__}")
-    if model.mesh is not None:
-        raise ValueError("kv_cache='pq' on a device mesh is not supported yet (the codec is not sharding-aware); "
-                         "use kv_cache='dense' with tensor parallelism")
     if codebooks is None:
         raise ValueError("kv_cache='pq' needs codebooks= (see `jaxlongctx calibrate` and load_codebooks)")
     check_codebooks(model, codebooks)
@@ -100,7 +115,7 @@ def generate_pq(model: Any, ids: Any, max_new_tokens: int, *, kv_cache: str = "p
     ids_p, mask_p = req.padded_prompt()
     capacity = bucket_length(ids_p.shape[1] + req.max_new_tokens + window)  # a flush writes R slots at `lengths`
     prefill, step = _compiled(model, capacity, window, bool(keep_prompt_tail_exact), *req.static_key, backend)
-    k_cent, v_cent = codebooks.stacked()
+    k_cent, v_cent = place_codebooks(*codebooks.stacked(), model.mesh)
 
     t0 = time.perf_counter()
     logits, cache = jax.block_until_ready(

@@ -147,11 +147,59 @@ def run_meshes() -> dict[str, Any]:
     out["cache_spec_2x2"] = prefill_cache_spec(shard_model(base, make_mesh(tp=2, dp=2)))
     out["loading"] = check_sharded_loading()
     out["pq_attention"] = check_pq_attention()
-    try:
-        jaxlongctx.generate(tp4, ids, 1, kv_cache="pq")
-        out["pq_generate_on_mesh"] = "no error"
-    except ValueError as e:
-        out["pq_generate_on_mesh"] = str(e)
+    out["pq_generate"] = check_pq_generation(base)
+    return out
+
+
+def pq_teacher_forced(model: jaxlongctx.Model, codebooks: Any, ids: np.ndarray, mask: np.ndarray,
+                      forced: np.ndarray, window: int) -> tuple[np.ndarray, Any]:
+    """Logits `[B, 1 + steps, V]` of a PQ prefill then decode steps fed `forced` `[B, steps]` (several
+    window flushes), and the final cache, on the model's mesh (or none)."""
+    from jaxlongctx.pq_generate import place_codebooks, pq_decode_hidden, pq_prefill
+
+    capacity = ids.shape[1] + forced.shape[1] + window
+
+    def run(params, k_cent, v_cent, ids, mask, forced):
+        module = model.merge(params)
+        logits, cache = pq_prefill(module, k_cent, v_cent, capacity, window, False, ids, mask)
+        positions, steps = mask.sum(axis=1), [logits]
+        for i in range(forced.shape[1]):
+            h, cache = pq_decode_hidden(module, k_cent, v_cent, forced[:, i:i + 1], (positions + i)[:, None], cache)
+            steps.append(module.head(h)[:, 0])
+        return jnp.stack(steps, axis=1), cache
+
+    k_cent, v_cent = place_codebooks(*codebooks.stacked(), model.mesh)
+    logits, cache = jax.jit(run)(model.params, k_cent, v_cent, *(put_batch(x, model.mesh) for x in (ids, mask, forced)))
+    return np.asarray(logits), cache
+
+
+def check_pq_generation(base: jaxlongctx.Model) -> dict[str, Any]:
+    """PQ-cache decoding (layer_head codebooks; shared ones on 2x2) on every mesh vs one device:
+    teacher-forced logits, greedy tokens, and the code buffers split over batch and kv heads."""
+    from jaxlongctx.kvcache.calibrate import calibrate
+
+    ids, mask = sample_inputs()
+    stream = np.random.default_rng(5).integers(3, CFG.vocab_size, 2048)
+    forced = np.random.default_rng(6).integers(3, CFG.vocab_size, (ids.shape[0], 10)).astype(np.int32)
+    window = 4
+    out: dict[str, Any] = {}
+    for granularity, meshes in (("layer_head", MESHES), ("shared", [(2, 2)])):
+        cb = calibrate(base, stream, ds=2, bits=4, granularity=granularity, iters=4, seq_len=64, max_tokens=1024)
+        generate = lambda m: jaxlongctx.generate(m, ids, NEW_TOKENS + window, attention_mask=mask,  # noqa: E731
+                                                 eos_id=-1, kv_cache="pq", codebooks=cb, pq_window=window)
+        want_logits, _ = pq_teacher_forced(base, cb, ids, mask, forced, window)
+        want_tokens = generate(base)
+        for tp, dp in meshes:
+            model = shard_model(base, make_mesh(tp=tp, dp=dp))
+            logits, cache = pq_teacher_forced(model, cb, ids, mask, forced, window)
+            shard = cache.k_codes.addressable_shards[0].data.shape
+            out[f"{granularity} dp{dp}xtp{tp}"] = {
+                "logit_max_diff": float(np.abs(logits - want_logits).max()),
+                "tokens_equal": bool((generate(model) == want_tokens).all()),
+                "codes_spec": str(cache.k_codes.sharding.spec),
+                "codes_shard_fraction": [a // b for a, b in zip(cache.k_codes.shape, shard)],
+                "lengths_after": np.asarray(cache.lengths).tolist(),
+            }
     return out
 
 
@@ -211,16 +259,52 @@ def check_pq_attention() -> dict[str, Any]:
 
 
 def run_armt() -> dict[str, Any]:
-    """ARMT sequential and diagonal schedules with the base model on a tp=2 mesh vs one device."""
+    """ARMT sequential and diagonal schedules (random memory weights, a padded batch of 4 rows) on
+    every mesh vs one device, and how the memory weights and state are laid out."""
     from jaxlongctx.armt.config import ARMTConfig
 
-    base, armt_cfg = make_model(), ARMTConfig(segment_size=8, num_mem_tokens=4, d_mem=8)
-    ids = np.random.default_rng(0).integers(3, CFG.vocab_size, (2, 20)).astype(np.int32)
-    plain = base.with_armt(armt_cfg, jax.random.key(0))
-    sharded = shard_model(base, make_mesh(tp=2)).with_armt(armt_cfg, jax.random.key(0))
-    return {schedule: float(np.abs(np.asarray(sharded.run(ids, schedule=schedule)[0])
-                                   - np.asarray(plain.run(ids, schedule=schedule)[0])).max())
-            for schedule in ("sequential", "diagonal")}
+    armt_cfg = ARMTConfig(segment_size=8, num_mem_tokens=4, d_mem=8)
+    ids = np.random.default_rng(0).integers(3, CFG.vocab_size, (4, 27)).astype(np.int32)
+    mask = np.ones_like(ids, bool)
+    mask[1, 20:] = mask[3, :5] = False
+    base = make_model()
+
+    def armt(model: jaxlongctx.Model):
+        return model.with_armt(armt_cfg, jax.random.key(0)).randomize_memory_params(jax.random.key(1), 0.5)
+
+    def stream(model) -> np.ndarray:  # chunks of 10 tokens, then a flush: logits of row 0
+        state, rows = model.init_state(ids.shape[0]), []
+        for start in range(0, ids.shape[1], 10):
+            state, out = model.feed(state, ids[:, start:start + 10])
+            rows.append(np.asarray(out[0]))
+        rows.append(np.asarray(model.flush(state)[1][0]))
+        return np.concatenate(rows)
+
+    plain = armt(base)
+    want = {s: plain.run(ids, mask, schedule=s) for s in ("sequential", "diagonal")}
+    want_tokens = jaxlongctx.generate(plain, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
+    want_stream = stream(plain)
+    out: dict[str, Any] = {}
+    for tp, dp in MESHES[1:]:
+        model = armt(shard_model(base, make_mesh(tp=tp, dp=dp)))
+        row: dict[str, Any] = {"wv_spec": str(model.memory.wv[...].sharding.spec)}
+        for schedule, (logits, state) in want.items():
+            got_logits, got_state = model.run(ids, mask, schedule=schedule)
+            row[schedule] = float(np.abs(np.asarray(got_logits) - np.asarray(logits)).max())
+            row[f"{schedule}_A_rel"] = float(np.abs(np.asarray(got_state.A) - np.asarray(state.A)).max()
+                                             / np.abs(np.asarray(state.A)).max())
+            row["A_spec"] = str(got_state.A.sharding.spec)
+        row["tokens_equal"] = bool((jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
+                                    == want_tokens).all())
+        row["stream"] = float(np.abs(stream(model) - want_stream).max())
+        out[f"dp{dp}xtp{tp}"] = row
+    with tempfile.TemporaryDirectory() as tmp:  # an ARMT checkpoint restored straight into its shards
+        loaded = jaxlongctx.load(plain.save(Path(tmp) / "armt"), mesh=make_mesh(tp=2, dp=2))
+        logits, _ = loaded.run(ids, mask, schedule="diagonal")
+        out["loaded_2x2"] = {"wv_spec": str(loaded.memory.wv[...].sharding.spec),
+                             "wq_spec": str(loaded.base.module.layers.wq[...].sharding.spec),
+                             "diagonal": float(np.abs(np.asarray(logits) - np.asarray(want["diagonal"][0])).max())}
+    return out
 
 
 def run_process(port: int, nproc: int, rank: int, ckpt: str) -> dict[str, Any]:

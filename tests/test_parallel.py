@@ -23,6 +23,7 @@ from jaxlongctx.parallel import add_parallel_arguments, check_divisible, make_me
 
 WORKER = Path(__file__).parent / "parallel_worker.py"
 TOLERANCE = 1e-4
+MESHES = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2)]  # (tp, dp), as the worker runs them
 
 
 def _worker_env(devices: int) -> dict[str, str]:
@@ -57,7 +58,7 @@ def test_logits_and_greedy_tokens_match_one_device(meshes):
     for name, m in zip(_mesh_ids(meshes), meshes["meshes"]):
         assert m["logit_max_diff"] <= TOLERANCE, (name, m)
         assert m["tokens_equal"], name
-    assert [(m["tp"], m["dp"]) for m in meshes["meshes"]] == [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2)]
+    assert [(m["tp"], m["dp"]) for m in meshes["meshes"]] == MESHES
 
 
 def test_per_device_parameter_bytes_divide_by_tp(meshes):
@@ -92,8 +93,15 @@ def test_load_restores_into_shards(meshes, source):
     assert got["logit_max_diff"] <= TOLERANCE
 
 
-def test_pq_generation_on_a_mesh_is_a_clear_error(meshes):
-    assert "kv_cache='pq' on a device mesh is not supported yet" in meshes["pq_generate_on_mesh"]
+def test_pq_generation_matches_one_device(meshes):
+    got = meshes["pq_generate"]
+    assert sorted(got) == sorted([f"layer_head dp{dp}xtp{tp}" for tp, dp in MESHES] + ["shared dp2xtp2"])
+    for name, m in got.items():
+        assert m["logit_max_diff"] <= TOLERANCE and m["tokens_equal"], (name, m)
+        dp, tp = (int(x) for x in name.split(" dp")[1].split("xtp"))
+        assert m["codes_spec"] == ("P(None, 'dp', 'tp', None, None)" if dp > 1 else "P(None, None, 'tp', None, None)")
+        assert m["codes_shard_fraction"] == [1, dp, tp, 1, 1], (name, m)
+        assert m["lengths_after"] == [17, 14, 17, 17], (name, m)  # 9 (6) prompt tokens + 2 flushed windows of 4
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
@@ -102,14 +110,27 @@ def test_pq_kernel_runs_per_kv_head_shard(meshes, backend):
     assert got["max_diff"] <= 1e-5 and got["out_spec"] == "P('dp', 'tp', None)" and got["collectives"] == 0
 
 
-@pytest.mark.slow
-def test_armt_schedules_on_a_tp_mesh(tmp_path):
+def test_armt_on_meshes_matches_one_device(tmp_path):
+    """Both schedules, streaming and generation with random memory weights and a padded batch, on
+    every mesh; W_mv and the memory state A split their value columns over tp and rows over dp."""
     out = tmp_path / "armt.json"
-    proc = subprocess.run([sys.executable, str(WORKER), "armt", str(out)], env=_worker_env(2),
+    proc = subprocess.run([sys.executable, str(WORKER), "armt", str(out)], env=_worker_env(8),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    diffs = json.loads(out.read_text())
-    assert diffs["sequential"] <= TOLERANCE and diffs["diagonal"] <= TOLERANCE, diffs
+    got = json.loads(out.read_text())
+    assert sorted(got) == sorted([f"dp{dp}xtp{tp}" for tp, dp in MESHES[1:]] + ["loaded_2x2"])
+    for name, m in got.items():
+        if name == "loaded_2x2":
+            continue
+        for key in ("sequential", "diagonal", "stream"):
+            assert m[key] <= TOLERANCE, (name, key, m)
+        assert m["sequential_A_rel"] <= 1e-5 and m["diagonal_A_rel"] <= 1e-5, (name, m)
+        assert m["tokens_equal"], name
+        assert m["wv_spec"] == "P(None, None, 'tp')"
+        assert m["A_spec"] == ("P(None, 'dp', None, 'tp')" if name.startswith("dp2") else "P(None, None, None, 'tp')")
+    loaded = got["loaded_2x2"]
+    assert loaded["wv_spec"] == "P(None, None, 'tp')" and loaded["wq_spec"] == "P(None, None, 'tp')"
+    assert loaded["diagonal"] <= TOLERANCE
 
 
 def test_two_processes_match_one(tmp_path):

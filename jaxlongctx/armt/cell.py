@@ -18,6 +18,7 @@ from jaxlongctx.model.attention import attention
 from jaxlongctx.model.layers import DecoderLayer
 from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.rope import rope_tables
+from jaxlongctx.parallel import reshard_like
 
 
 def segment_layout(n: jnp.ndarray, cfg: ARMTConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -31,7 +32,7 @@ def segment_layout(n: jnp.ndarray, cfg: ARMTConfig) -> tuple[jnp.ndarray, jnp.nd
 def embed_segment(base: Llama, memory: jnp.ndarray, ids: jnp.ndarray) -> jnp.ndarray:
     """Segment buffer `[B, R, D]`: token embeddings of ids `[B, S]` then the memory tokens `[M, D]`."""
     tok = base.embed_ids(ids)
-    mem = jnp.broadcast_to(memory.astype(tok.dtype), (tok.shape[0], *memory.shape))
+    mem = reshard_like(jnp.broadcast_to(memory.astype(tok.dtype), (tok.shape[0], *memory.shape)), tok)
     return jnp.concatenate([tok, mem], axis=1)
 
 

@@ -22,6 +22,7 @@ from flax import nnx
 from jaxlongctx.armt.cell import cell, embed_segment
 from jaxlongctx.armt.segments import Segments, chunk_sizes
 from jaxlongctx.armt.sequential import TRACES, MemoryState, zero_state
+from jaxlongctx.parallel import batch_sharding
 
 Step = tuple[int, int, bool]  # layers [a, b) run; whether a new segment enters slot 0 first
 Block = tuple[str, Any]  # ("full", count) or ("steps", tuple[Step, ...])
@@ -42,8 +43,12 @@ def empty_pipeline(model: Any, state: MemoryState) -> Pipeline:
     """A pipeline with no segment in flight, holding memory `state`."""
     cfg, armt = model.config, model.armt
     L, b = cfg.num_layers, state.A.shape[1]
-    return Pipeline(jnp.zeros((L, b, armt.rows, cfg.hidden_size), model.dtype), jnp.zeros((L, b), jnp.int32),
-                    jnp.zeros((L, b), bool), state.A, state.z)
+    h, n, first = (jnp.zeros((L, b, armt.rows, cfg.hidden_size), model.dtype), jnp.zeros((L, b), jnp.int32),
+                   jnp.zeros((L, b), bool))
+    mesh = model.base.mesh
+    if mesh is not None:  # segment rows split like the memory state's rows
+        h, n, first = (jax.device_put(x, batch_sharding(mesh, x.shape, axis=1)) for x in (h, n, first))
+    return Pipeline(h, n, first, state.A, state.z)
 
 
 def plan(occupied: tuple[int, int] | None, inputs: int, drain: bool, num_layers: int
@@ -139,9 +144,10 @@ def run_blocks(model: Any, params: Any, pipe: Pipeline, blocks: list[Block], seg
     outs, start = [], 0
     for block in blocks:
         k = block_inputs(block)
-        chunk = Segments(*(jnp.asarray(x[start:start + k]) for x in segs))
+        chunk = segs[start:start + k].place(model.base.mesh)
         pipe, logits = run_block(model, block, params, pipe, chunk)
-        outs.append(logits)
+        if logits.shape[0]:  # ramp-up blocks emit nothing
+            outs.append(logits)
         start += k
     return pipe, outs
 

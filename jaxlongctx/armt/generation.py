@@ -19,6 +19,7 @@ from jaxlongctx.armt.sequential import MemoryState, segment_through_layers, zero
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.attention import attention
 from jaxlongctx.model.rope import rope_tables
+from jaxlongctx.parallel import put_batch
 from jaxlongctx.generate import Request, choose_next
 
 
@@ -39,7 +40,7 @@ def _prefill(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: j
         return layer.finish(h, attention(q, k, v, slots, valid)), (k, v)
 
     h, (k, v) = base.scan_layers(body, base.embed_ids(ids), (mem.layers(), *state))
-    last = base.head(h[jnp.arange(b), jnp.maximum(n - 1, 0)][:, None])[:, 0]
+    last = base.head(jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1))[:, 0]
     return jnp.where((n > 0)[:, None], last, last_full), DenseCache(k, v, valid)
 
 
@@ -50,24 +51,20 @@ def _decode_step(model: Any, sampler: tuple, eos: tuple[int, ...], pad_id: int, 
     its logits `[B, V]`, the cache and the current segment's ids `[B, S]`."""
     tok, done = choose_next(sampler, eos, pad_id, logits, key, done)
     base, mem = model.merge(params)
-    rows = jnp.arange(tok.shape[0])
-    seg_ids = seg_ids.at[rows, pos].set(tok)
-    key_valid = cache.key_valid.at[rows, pos].set(True)
+    hit = jnp.arange(seg_ids.shape[1])[None] == pos[:, None]  # B S: each row's slot (selects, not scatters,
+    seg_ids = jnp.where(hit, tok[:, None], seg_ids)          # so rows may be split over devices)
+    key_valid = cache.key_valid | hit
     cos, sin = rope_tables(pos[:, None], model.inv_freq)
 
-    def body(layer, carry, xs):
-        h, ck, cv = carry
-        lm, a, z, index = xs
+    def body(layer, h, xs):
+        lm, a, z, ck, cv = xs  # one layer's memory and cache [B, S, K, hd]
         h = read(h, lm, a, z)
         q, k, v = layer.project_qkv(h, cos, sin)
-        ck = ck.at[index, rows, pos].set(k[:, 0].astype(ck.dtype))
-        cv = cv.at[index, rows, pos].set(v[:, 0].astype(cv.dtype))
-        out = attention(q, ck[index], cv[index], pos[:, None], key_valid)
-        return (layer.finish(h, out), ck, cv), None
+        ck = jnp.where(hit[..., None, None], k.astype(ck.dtype), ck)
+        cv = jnp.where(hit[..., None, None], v.astype(cv.dtype), cv)
+        return layer.finish(h, attention(q, ck, cv, pos[:, None], key_valid)), (ck, cv)
 
-    L = model.config.num_layers
-    (h, ck, cv), _ = base.scan_layers(body, (base.embed_ids(tok[:, None]), cache.k, cache.v),
-                                      (mem.layers(), *state, jnp.arange(L)))
+    h, (ck, cv) = base.scan_layers(body, base.embed_ids(tok[:, None]), (mem.layers(), *state, cache.k, cache.v))
     return tok, done, base.head(h)[:, 0], DenseCache(ck, cv, key_valid), seg_ids
 
 
@@ -105,27 +102,28 @@ def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: floa
     ids_c, lengths, _ = compact(req.ids, req.mask)
     full = lengths // S
     part = lengths - full * S
-    params = model.params
+    params, mesh = model.params, model.base.mesh
     state, last_full = zero_state(model, b), jnp.zeros((b, cfg.vocab_size), jnp.float32)
     if full.max() > 0:
         segs = segment(ids_c, full * S, S)
         state, logits = model.run_segments(params, segs, schedule)  # nS B S V
-        last_full = logits[jnp.maximum(jnp.asarray(full) - 1, 0), jnp.arange(b), S - 1]
+        last = put_batch(np.arange(segs.count)[None] == full[:, None] - 1, mesh).astype(jnp.float32)  # B nS
+        last_full = jnp.einsum("bs,sbv->bv", last, logits[:, :, S - 1], precision=jax.lax.Precision.HIGHEST)
     seg_ids = np.zeros((b, S), np.int32)
     for r in range(b):
         seg_ids[r, :part[r]] = ids_c[r, full[r] * S:lengths[r]]
     prefill, step, commit = _compiled(model, *req.static_key)
-    logits, cache = prefill(params, state, jnp.asarray(seg_ids), jnp.asarray(part), last_full)
+    logits, cache = prefill(params, state, put_batch(seg_ids, mesh), put_batch(part, mesh), last_full)
 
     def run(carry, logits, key, done, i):
         state, cache, seg_ids, pos, first = carry  # pos [B]: next slot in the current segment
-        tok, done, logits, cache, seg_ids = step(params, state, cache, seg_ids, jnp.asarray(pos, jnp.int32),
+        tok, done, logits, cache, seg_ids = step(params, state, cache, seg_ids, put_batch(pos.astype(np.int32), mesh),
                                                  logits, key, done)
         pos = pos + 1
         filled = pos == S
         if filled.any() and i + 1 < req.max_new_tokens:  # commit full segments: write memory, restart cache
-            state, cache = commit(params, state, cache, seg_ids, jnp.asarray(filled), jnp.asarray(first))
+            state, cache = commit(params, state, cache, seg_ids, put_batch(filled, mesh), put_batch(first, mesh))
             first, pos = first & ~filled, np.where(filled, 0, pos)
         return tok, done, logits, (state, cache, seg_ids, pos, first)
 
-    return req.decode(logits, (state, cache, jnp.asarray(seg_ids), part.copy(), full == 0), run, progress=progress)
+    return req.decode(logits, (state, cache, put_batch(seg_ids, mesh), part.copy(), full == 0), run, progress=progress)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlongctx.armt.config import NU
+from jaxlongctx.parallel import reshard_like
 
 EPS = 1e-5  # the three literal eps sites of the reference (read, write and gamma denominators)
 
@@ -44,6 +45,7 @@ def read(h: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray) -> jn
     q = dpfp(_project(h, mem.wq))  # B T dk
     num = jnp.einsum("btk,bkd->btd", q, A.astype(jnp.float32))
     den = jnp.einsum("btk,bk->bt", q, z.astype(jnp.float32)) + EPS
+    num = reshard_like(num, h)  # on a mesh: gather A's value columns (split over tp) once per layer
     return (h.astype(jnp.float32) + num / den[..., None]).astype(h.dtype)
 
 

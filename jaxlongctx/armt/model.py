@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxlongctx.armt import stream
 from jaxlongctx.armt.config import ARMTConfig
@@ -19,13 +20,14 @@ from jaxlongctx.armt.generation import generate_ids
 from jaxlongctx.armt.params import MemoryParams
 from jaxlongctx.armt.segments import Segments, compact, segment
 from jaxlongctx.armt.sequential import MemoryState, sequential_forward
-from jaxlongctx.checkpoint import (CheckpointError, abstract_model, atomic_directory, read_metadata,
-                                   restore_params, save_params, write_metadata)
+from jaxlongctx.checkpoint import (CheckpointError, atomic_directory, load_module, read_metadata, save_params,
+                                   write_metadata)
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache.dense import dense_cache_bytes
 from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.model import Model
 from jaxlongctx.model.rope import inverse_frequencies
+from jaxlongctx.parallel import memory_shardings, param_shardings, shard_memory
 from jaxlongctx.validation import check_ids, check_mask, check_positive_int
 
 SCHEDULES = stream.SCHEDULES
@@ -42,6 +44,7 @@ class ARMTModel:
     def __init__(self, base: Llama, armt: ARMTConfig, memory: MemoryParams, tokenizer: Any = None):
         self.base = Model(base, tokenizer)
         self.memory = memory
+        self._place_memory()
         self.armt = armt
         self.config: ModelConfig = base.config
         self.tokenizer = tokenizer
@@ -62,6 +65,11 @@ class ARMTModel:
     def dtype(self) -> jnp.dtype:
         """Parameter dtype."""
         return self.base.dtype
+
+    def _place_memory(self) -> None:
+        """Put the memory parameters on the base model's mesh (W_mv column parallel); no-op without one."""
+        if self.base.mesh is not None:
+            shard_memory(self.memory, self.base.mesh)
 
     @cached_property
     def _memory_graphdef(self) -> nnx.GraphDef:
@@ -85,6 +93,7 @@ class ARMTModel:
     def randomize_memory_params(self, key: jax.Array, scale: float = 1.0) -> ARMTModel:
         """Randomise W_mq, W_mk, W_mv, W_mb, b_mb in place (see `MemoryParams.randomize`); returns self."""
         self.memory.randomize(key, scale)
+        self._place_memory()
         return self
 
     def set_memory_params(self, **arrays: Any) -> ARMTModel:
@@ -96,7 +105,8 @@ class ARMTModel:
             value = jnp.asarray(value)
             if value.shape != param.shape:
                 raise ValueError(f"memory parameter {name}: expected shape {param.shape}, got {value.shape}")
-            param[...] = value.astype(param.dtype)
+            param.set_value(value.astype(param.dtype))
+        self._place_memory()
         return self
 
     # --- forward --------------------------------------------------------------------------------
@@ -179,26 +189,28 @@ class ARMTModel:
         return Path(path)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: jnp.dtype | None = None) -> ARMTModel:
-        """Load a checkpoint written by `save`, optionally casting the parameters to `dtype`."""
+    def load(cls, path: str | Path, dtype: jnp.dtype | None = None, mesh: Mesh | None = None) -> ARMTModel:
+        """Load a checkpoint written by `save`, optionally casting the parameters to `dtype` and
+        restoring every tensor straight into its shard on `mesh`."""
         path = Path(path).absolute()
         meta = read_metadata(path)
         if "armt" not in meta:
             raise CheckpointError(f"{path}: not an ARMT checkpoint (no 'armt' entry in config.json)")
-        config, armt, dtype = ModelConfig.from_dict(meta["config"]), ARMTConfig.from_dict(meta["armt"]), meta["dtype"]
-        skeleton = abstract_model(config, jnp.dtype(dtype))
-        graphdef, state = nnx.split(skeleton)
-        nnx.replace_by_pure_dict(state, restore_params(path, nnx.to_pure_dict(state)))
+        config, armt = ModelConfig.from_dict(meta["config"]), ARMTConfig.from_dict(meta["armt"])
+        base = load_module(path, dtype, None if mesh is None else param_shardings(config, mesh))
         mem_skeleton = nnx.eval_shape(lambda: MemoryParams(armt, config.num_layers, config.hidden_size, 1.0,
-                                                           dtype=jnp.dtype(dtype), key=jax.random.key(0)))
+                                                           dtype=jnp.dtype(meta["dtype"]), key=jax.random.key(0)))
         mem_graphdef, mem_state = nnx.split(mem_skeleton)
+        target = nnx.to_pure_dict(mem_state)
+        if mesh is not None:
+            target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+                      for (name, x), sharding in zip(target.items(), memory_shardings(mesh, target).values())}
         try:
             with ocp.StandardCheckpointer() as ckptr:
-                restored = ckptr.restore(path / _MEMORY_DIR, nnx.to_pure_dict(mem_state))
+                restored = ckptr.restore(path / _MEMORY_DIR, target)
         except (FileNotFoundError, ValueError, KeyError) as e:
             raise CheckpointError(f"{path}: cannot restore ARMT memory parameters ({type(e).__name__}: {e})") from None
+        if dtype is not None:
+            restored = {name: x.astype(dtype) for name, x in restored.items()}
         nnx.replace_by_pure_dict(mem_state, restored)
-        model = cls(nnx.merge(graphdef, state), armt, nnx.merge(mem_graphdef, mem_state))
-        return model if dtype is None or jnp.dtype(dtype) == model.dtype else model.astype(dtype)
-
-
+        return cls(base, armt, nnx.merge(mem_graphdef, mem_state))

@@ -41,4 +41,4 @@ class MemoryParams(nnx.Module):
         for k, name in zip(jax.random.split(key, 5), ("wq", "wk", "wv", "wb", "bb")):
             p = getattr(self, name)
             std = scale if name == "bb" else scale * hidden ** -0.5
-            p[...] = (std * jax.random.normal(k, p.shape, jnp.float32)).astype(p.dtype)
+            p.set_value((std * jax.random.normal(k, p.shape, jnp.float32)).astype(p.dtype))

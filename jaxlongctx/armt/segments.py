@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+from jax.sharding import Mesh
+
+from jaxlongctx.parallel import put_batch
 
 FULL_CHUNK = 8  # segments per compiled chunk; the remainder runs one segment per call
 
@@ -21,6 +24,10 @@ class Segments(NamedTuple):
         if isinstance(item, int):
             return tuple.__getitem__(self, item)
         return Segments(self.ids[item], self.n[item], self.first[item])
+
+    def place(self, mesh: Mesh | None) -> Segments:
+        """Device arrays, on `mesh` with the batch axis split over dp (see `put_batch`) when given."""
+        return Segments(*(put_batch(x, mesh, axis=1) for x in self))
 
     @property
     def count(self) -> int:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxlongctx.armt.cell import cell, embed_segment
 from jaxlongctx.armt.segments import Segments, chunk_sizes
+from jaxlongctx.parallel import memory_state_shardings
 
 TRACES: Counter = Counter()  # trace (= compile) count per schedule function, read by tests
 
@@ -24,8 +25,13 @@ class MemoryState(NamedTuple):
 def zero_state(model: Any, batch: int) -> MemoryState:
     """All-zero memory for `batch` rows."""
     cfg, armt = model.config, model.armt
-    return MemoryState(jnp.zeros((cfg.num_layers, batch, armt.d_key, cfg.hidden_size), armt.state_dtype),
-                       jnp.zeros((cfg.num_layers, batch, armt.d_key), armt.state_dtype))
+    state = MemoryState(jnp.zeros((cfg.num_layers, batch, armt.d_key, cfg.hidden_size), armt.state_dtype),
+                        jnp.zeros((cfg.num_layers, batch, armt.d_key), armt.state_dtype))
+    mesh = model.base.mesh
+    if mesh is None:
+        return state
+    shardings = memory_state_shardings(mesh, batch)
+    return MemoryState(*(jax.device_put(x, shardings[name]) for name, x in state._asdict().items()))
 
 
 def segment_through_layers(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray,
@@ -62,7 +68,7 @@ def sequential_forward(model: Any, params: Any, segs: Segments, state: MemorySta
     state = zero_state(model, segs.ids.shape[1]) if state is None else state
     outs, start = [], 0
     for size in chunk_sizes(segs.count):
-        state, logits = _run_chunk_jit(model, params, state, Segments(*map(jnp.asarray, segs[start:start + size])))
+        state, logits = _run_chunk_jit(model, params, state, segs[start:start + size].place(model.base.mesh))
         outs.append(logits)
         start += size
     return state, jnp.concatenate(outs, axis=0)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache.codebooks import Codebooks, cache_bytes
@@ -40,6 +41,12 @@ class PQCache(NamedTuple):
     def window(self) -> int:
         """R, the number of exact window slots per row."""
         return self.k_window.shape[3]
+
+    @classmethod
+    def partition_specs(cls, batch: str | None, heads: str | None) -> PQCache:
+        """`PartitionSpec`s of a cache whose rows are split over mesh axis `batch` and kv heads over `heads`."""
+        buf, rows = P(None, batch, heads, None, None), P(batch)
+        return cls(buf, buf, buf, buf, rows, rows)
 
     def nbytes(self) -> int:
         """Bytes held by the cache buffers (codebooks not included)."""
