@@ -19,7 +19,8 @@ import numpy as np
 
 from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result
 from jaxlongctx.armt import ARMTConfig
-from jaxlongctx.armt.diagonal import computed_cells, empty_pipeline, fixed_buffer_waste, plan, run_block
+from jaxlongctx.armt.diagonal import (batch_cells, computed_cells, diagonal_pays_off, empty_pipeline,
+                                     fixed_buffer_waste, plan, run_block)
 from jaxlongctx.armt.segments import Segments
 from jaxlongctx.armt.sequential import zero_state
 from jaxlongctx.demo import peak_rss_bytes
@@ -59,8 +60,17 @@ def armt_working_bytes(armt: Any, num_segments: int) -> int | None:
         k = block[1] if block[0] == "full" else sum(s[2] for s in block[1])
         s = armt.armt.segment_size
         segs = Segments(jnp.zeros((k, 1, s), jnp.int32), jnp.zeros((k, 1), jnp.int32), jnp.zeros((k, 1), bool))
-        sizes.append(compiled_bytes(run_block, armt, block, armt.params, pipe, segs))
+        sizes.append(compiled_bytes(run_block, armt, block, armt.cpu_execution, armt.params, pipe, segs))
     return None if None in sizes else max(sizes)
+
+
+def diagonal_executor(armt: Any, num_segments: int) -> str:
+    """How `schedule="diagonal"` runs this input on this backend (see `CPUExecution`)."""
+    if not diagonal_pays_off(armt, 1, num_segments):
+        return "sequential order (CPU: too few segments or too many rows to batch)"
+    L = armt.config.num_layers
+    batched = batch_cells(armt.cpu_execution, L, L, 1, armt.armt.rows)
+    return "pipeline, full diagonals batched" if batched else "pipeline, cell by cell"
 
 
 def run(sweep_name: str) -> dict[str, Any]:
@@ -95,6 +105,7 @@ def run(sweep_name: str) -> dict[str, Any]:
                 "full_vs_best_armt": times["full"]["median_s"] / min(seq, diag),
                 "state_bytes": a.state_bytes(), "diagonal_working_bytes": armt_working_bytes(a, n_seg),
                 "computed_cells": computed_cells(blocks, L), "useful_cells": n_seg * L,
+                "diagonal_executor": diagonal_executor(a, n_seg),
                 "ramp_waste": 1 - n_seg * L / computed_cells(blocks, L),
                 "fixed_buffer_ramp_waste": fixed_buffer_waste(n_seg, L),
             }

@@ -262,6 +262,7 @@ def run_armt() -> dict[str, Any]:
     """ARMT sequential and diagonal schedules (random memory weights, a padded batch of 4 rows) on
     every mesh vs one device, and how the memory weights and state are laid out."""
     from jaxlongctx.armt.config import ARMTConfig
+    from jaxlongctx.armt.diagonal import PIPELINE_ALWAYS
 
     armt_cfg = ARMTConfig(segment_size=8, num_mem_tokens=4, d_mem=8)
     ids = np.random.default_rng(0).integers(3, CFG.vocab_size, (4, 27)).astype(np.int32)
@@ -270,7 +271,9 @@ def run_armt() -> dict[str, Any]:
     base = make_model()
 
     def armt(model: jaxlongctx.Model):
-        return model.with_armt(armt_cfg, jax.random.key(0)).randomize_memory_params(jax.random.key(1), 0.5)
+        armt = model.with_armt(armt_cfg, jax.random.key(0)).randomize_memory_params(jax.random.key(1), 0.5)
+        armt.cpu_execution = PIPELINE_ALWAYS  # these short inputs would otherwise run in sequential order
+        return armt
 
     def stream(model) -> np.ndarray:  # chunks of 10 tokens, then a flush: logits of row 0
         state, rows = model.init_state(ids.shape[0]), []

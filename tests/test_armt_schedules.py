@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxlongctx.armt import ARMTConfig
-from jaxlongctx.armt.diagonal import computed_cells, fixed_buffer_waste, plan
+from jaxlongctx.armt.diagonal import PIPELINE_ALWAYS, CPUExecution, computed_cells, fixed_buffer_waste, plan
 from jaxlongctx.armt.segments import compact, segment
 from jaxlongctx.armt.sequential import TRACES
 from jaxlongctx.model.model import Model
@@ -103,6 +103,28 @@ def test_no_recompilation_across_lengths():
     TRACES.clear()
     armt(RNG.integers(0, VOCAB, (1, 101)))
     assert not TRACES
+
+
+def test_cpu_execution_choices_agree():
+    """Diagonals batched or cell by cell, and the sequential-order shortcut the default takes on CPU
+    for inputs with few segments, all give the sequential schedule's logits and memory."""
+    armt = make_armt()  # 3 layers: the default shortcut applies below 2 * 3 segments
+    cases = {"batched": PIPELINE_ALWAYS, "cell by cell": CPUExecution(batched_rows=0, min_segments_per_layer=0),
+             "default": CPUExecution()}
+    for length, pipeline_by_default in ((37, False), (61, True)):  # 5 and 8 segments
+        ids = RNG.integers(0, VOCAB, (2, length))
+        want, want_state = armt.run(ids, schedule="sequential")
+        for name, cpu in cases.items():
+            armt.cpu_execution = cpu
+            TRACES.clear()
+            got, state = armt.run(ids, schedule="diagonal")
+            assert float(jnp.abs(got - want).max()) <= 1e-4, (name, length)
+            assert _rel(state.A, want_state.A) <= 1e-5, (name, length)
+            took_pipeline = any(k != "sequential" for k in TRACES)
+            if name == "default":
+                assert took_pipeline == pipeline_by_default, (length, TRACES)
+            else:
+                assert took_pipeline or not TRACES, (name, TRACES)  # compiled earlier, or traced as the pipeline
 
 
 def test_ramp_waste():

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlongctx.armt import ARMTConfig, ARMTModel
+from jaxlongctx.armt.diagonal import PIPELINE_ALWAYS
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.model import Model
 
@@ -34,6 +35,7 @@ def make_armt(layers: int = 3, segment_size: int = 8, mem: int = 4, dtype=jnp.fl
     model.module.embed[...] = (0.5 * jax.random.normal(jax.random.fold_in(key, 7), model.module.embed.shape)
                                ).astype(dtype)
     armt = model.with_armt(ARMTConfig(segment_size, mem, d_mem=8, state_dtype=state_dtype), jax.random.key(seed + 1))
+    armt.cpu_execution = PIPELINE_ALWAYS  # short test inputs take the pipeline too (the CPU shortcut has its test)
     return armt.randomize_memory_params(jax.random.key(seed + 2), 1.0)
 
 

@@ -14,11 +14,13 @@ import numpy as np
 
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.memory import LayerMemory, read, write
-from jaxlongctx.model.attention import attention
+from jaxlongctx.model.attention import causal_prefill_attention
 from jaxlongctx.model.layers import DecoderLayer
 from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.rope import rope_tables
 from jaxlongctx.parallel import reshard_like
+
+CELL_ATTENTION_CHUNK = 256  # query rows per attention block in a cell (keys: the causal prefix only)
 
 
 def segment_layout(n: jnp.ndarray, cfg: ARMTConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -41,15 +43,14 @@ def cell(cfg: ARMTConfig, inv_freq: np.ndarray, layer: DecoderLayer, mem: LayerM
          ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Segment buffers `h [B, R, D]` through one layer with its memory `A [B, dk, D]`, `z [B, dk]`;
     `n [B]` tokens per row, `first [B]`. Returns the layer output and the updated state."""
-    b, r, _ = h.shape
     a0 = jnp.where(first[:, None, None], 0, A).astype(A.dtype)
     z0 = jnp.where(first[:, None], 0, z).astype(z.dtype)
     h = read(h, mem, a0, z0)
     positions, key_valid = segment_layout(n, cfg)
     cos, sin = rope_tables(positions, inv_freq)
     q, k, v = layer.project_qkv(h, cos, sin)
-    out = attention(q, k, v, jnp.broadcast_to(jnp.arange(r), (b, r)), key_valid)
-    h = layer.finish(h, out)
+    # buffer row i sees the valid rows <= i (memory rows sit after the tokens)
+    h = layer.finish(h, causal_prefill_attention(q, k, v, key_valid, chunk=CELL_ATTENTION_CHUNK))
     a1, z1 = write(h[:, cfg.segment_size:], mem, a0, z0, first)
     writes = n > 0
     return h, jnp.where(writes[:, None, None], a1, A), jnp.where(writes[:, None], z1, z)

@@ -9,6 +9,10 @@ a `jax.lax.scan` in fixed-size chunks; ramp-up and ramp-down steps run only thei
 (exact widths, so no cell is wasted). Compiled pieces depend on the step plan only, never on the
 input length (one-shot: ramp-up, full chunks of `chunk_sizes`, ramp-down; inputs with fewer than
 L - 1 segments compile one plan per segment count).
+
+On accelerators every diagonal is one vmapped call. On CPU (`CPUExecution`) a diagonal is batched
+only while that is faster than running its cells one by one inside the same step, and one-shot
+inputs too short to leave the ramps run their cells in sequential order.
 """
 
 from __future__ import annotations
@@ -21,8 +25,26 @@ from flax import nnx
 
 from jaxlongctx.armt.cell import cell, embed_segment
 from jaxlongctx.armt.segments import Segments, chunk_sizes
-from jaxlongctx.armt.sequential import TRACES, MemoryState, zero_state
+from jaxlongctx.armt.sequential import TRACES, MemoryState, sequential_forward, zero_state
 from jaxlongctx.parallel import batch_sharding
+
+
+class CPUExecution(NamedTuple):
+    """How the diagonal schedule executes on CPU (accelerators always batch every diagonal).
+
+    On CPU one cell of a few hundred rows already keeps the cores busy; batching more rows than
+    `batched_rows` pushes a diagonal's intermediates (MLP activations, attention scores) out of the
+    cache, and a partial (ramp) diagonal would first copy its window of the stacked weights: both
+    then run slower than the same cells one by one. One-shot inputs with fewer than
+    `min_segments_per_layer * L` segments spend most steps in the ramps and run in sequential order.
+    The defaults were measured with bench/armt_schedule.py; every choice gives the same results.
+    """
+
+    batched_rows: int = 3072
+    min_segments_per_layer: int = 2
+
+
+PIPELINE_ALWAYS = CPUExecution(min_segments_per_layer=0)  # never the sequential-order shortcut
 
 Step = tuple[int, int, bool]  # layers [a, b) run; whether a new segment enters slot 0 first
 Block = tuple[str, Any]  # ("full", count) or ("steps", tuple[Step, ...])
@@ -84,13 +106,30 @@ def plan(occupied: tuple[int, int] | None, inputs: int, drain: bool, num_layers:
     return out, occupied
 
 
+def batch_cells(cpu: CPUExecution, cells: int, num_layers: int, batch: int, rows: int) -> bool:
+    """Whether a diagonal of `cells` cells over `batch` segment buffers of `rows` rows runs as one
+    vmapped call, or cell after cell inside the same compiled step (see `CPUExecution`)."""
+    if jax.default_backend() != "cpu":
+        return True
+    return cells == num_layers and cells * batch * rows <= cpu.batched_rows
+
+
+def diagonal_pays_off(model: Any, batch: int, num_segments: int) -> bool:
+    """Whether a one-shot input runs through the pipeline rather than in sequential order (see
+    `CPUExecution`; always on accelerators)."""
+    L, cpu = model.config.num_layers, model.cpu_execution
+    if jax.default_backend() != "cpu":
+        return True
+    return batch_cells(cpu, L, L, batch, model.armt.rows) and num_segments >= cpu.min_segments_per_layer * L
+
+
 def block_inputs(block: Block) -> int:
     """Segments a block consumes."""
     return block[1] if block[0] == "full" else sum(s[2] for s in block[1])
 
 
-def _step(model: Any, graphdef: nnx.GraphDef, layer_state: Any, mem: Any, memory: jnp.ndarray, base: Any,
-          pipe: Pipeline, a: int, b: int, seg: tuple | None) -> tuple[Pipeline, jnp.ndarray | None]:
+def _step(model: Any, cpu: CPUExecution, graphdef: nnx.GraphDef, layer_state: Any, mem: Any, memory: jnp.ndarray,
+          base: Any, pipe: Pipeline, a: int, b: int, seg: tuple | None) -> tuple[Pipeline, jnp.ndarray | None]:
     """One diagonal: layers `[a, b)` as one vmapped cell call; returns the pipeline and the logits
     `[B, S, V]` of the segment leaving the last layer (None if none leaves)."""
     armt, L = model.armt, model.config.num_layers
@@ -103,9 +142,16 @@ def _step(model: Any, graphdef: nnx.GraphDef, layer_state: Any, mem: Any, memory
     def one(ls, lm, hh, aa, zz, nn, ff):
         return cell(armt, model.inv_freq, nnx.merge(graphdef, ls), lm, hh, aa, zz, nn, ff)
 
-    window = lambda x: x[a:b]  # noqa: E731  (static slice; the identity when every layer is busy)
-    out, a2, z2 = jax.vmap(one)(jax.tree.map(window, layer_state), jax.tree.map(window, mem),
-                                h[a:b], A[a:b], z[a:b], n[a:b], first[a:b])
+    def layer_cell(xs):  # one layer's cell, its weights read in place from the stacked ones
+        layer, *rest = xs
+        return one(jax.tree.map(lambda w: w[layer], layer_state), jax.tree.map(lambda w: w[layer], mem), *rest)
+
+    if batch_cells(cpu, b - a, L, h.shape[1], armt.rows):  # [a, b) is a static window of the stacked weights
+        window = lambda x: x[a:b]  # noqa: E731
+        out, a2, z2 = jax.vmap(one)(jax.tree.map(window, layer_state), jax.tree.map(window, mem),
+                                    h[a:b], A[a:b], z[a:b], n[a:b], first[a:b])
+    else:
+        out, a2, z2 = jax.lax.map(layer_cell, (jnp.arange(a, b), h[a:b], A[a:b], z[a:b], n[a:b], first[a:b]))
     A, z = A.at[a:b].set(a2), z.at[a:b].set(z2)
     hi = min(b + 1, L)
     h = h.at[a + 1:hi].set(out[:hi - a - 1])
@@ -114,12 +160,12 @@ def _step(model: Any, graphdef: nnx.GraphDef, layer_state: Any, mem: Any, memory
     return Pipeline(h, n, first, A, z), logits
 
 
-def _run_block(model: Any, block: Block, params: Any, pipe: Pipeline, segs: Segments
+def _run_block(model: Any, block: Block, cpu: CPUExecution, params: Any, pipe: Pipeline, segs: Segments
                ) -> tuple[Pipeline, jnp.ndarray]:
     TRACES[("diagonal", block)] += 1
     base, mem = model.merge(params)
     graphdef, layer_state = nnx.split(base.layers)
-    args = (model, graphdef, layer_state, mem.layers(), mem.memory[...], base)
+    args = (model, cpu, graphdef, layer_state, mem.layers(), mem.memory[...], base)
     L = model.config.num_layers
     if block[0] == "full":
         return jax.lax.scan(lambda p, seg: _step(*args, p, 0, L, seg), pipe, tuple(segs))
@@ -135,7 +181,7 @@ def _run_block(model: Any, block: Block, params: Any, pipe: Pipeline, segs: Segm
     return pipe, jnp.stack(outs) if outs else empty
 
 
-run_block = jax.jit(_run_block, static_argnums=(0, 1))  # (model, block, params, pipe, segs)
+run_block = jax.jit(_run_block, static_argnums=(0, 1, 2))  # (model, block, cpu, params, pipe, segs)
 
 
 def run_blocks(model: Any, params: Any, pipe: Pipeline, blocks: list[Block], segs: Segments
@@ -145,7 +191,7 @@ def run_blocks(model: Any, params: Any, pipe: Pipeline, blocks: list[Block], seg
     for block in blocks:
         k = block_inputs(block)
         chunk = segs[start:start + k].place(model.base.mesh)
-        pipe, logits = run_block(model, block, params, pipe, chunk)
+        pipe, logits = run_block(model, block, model.cpu_execution, params, pipe, chunk)
         if logits.shape[0]:  # ramp-up blocks emit nothing
             outs.append(logits)
         start += k
@@ -155,7 +201,13 @@ def run_blocks(model: Any, params: Any, pipe: Pipeline, blocks: list[Block], seg
 def diagonal_forward(model: Any, params: Any, segs: Segments, state: MemoryState | None = None
                      ) -> tuple[MemoryState, jnp.ndarray]:
     """Run segments `[nS, B, S]` through an empty pipeline and drain it; returns the final state
-    and logits `[nS, B, S, V]` (equal to `sequential_forward` up to float reassociation)."""
+    and logits `[nS, B, S, V]` (equal to `sequential_forward` up to float reassociation).
+
+    Where it would not pay off (`diagonal_pays_off`: CPU with large segments or few of them), the
+    same cells run in sequential order instead: the same results, as fast as the sequential schedule.
+    """
+    if not diagonal_pays_off(model, segs.ids.shape[1], segs.count):
+        return sequential_forward(model, params, segs, state)
     state = zero_state(model, segs.ids.shape[1]) if state is None else state
     blocks, _ = plan(None, segs.count, True, model.config.num_layers)
     pipe, outs = run_blocks(model, params, empty_pipeline(model, state), blocks, segs)

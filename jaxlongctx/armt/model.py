@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from jaxlongctx.armt import stream
 from jaxlongctx.armt.config import ARMTConfig
-from jaxlongctx.armt.diagonal import diagonal_forward
+from jaxlongctx.armt.diagonal import CPUExecution, diagonal_forward
 from jaxlongctx.armt.generation import generate_ids
 from jaxlongctx.armt.params import MemoryParams
 from jaxlongctx.armt.segments import Segments, compact, segment
@@ -49,6 +49,7 @@ class ARMTModel:
         self.config: ModelConfig = base.config
         self.tokenizer = tokenizer
         self.inv_freq = inverse_frequencies(self.config)
+        self.cpu_execution = CPUExecution()  # how the diagonal schedule runs on CPU (same results)
 
     @classmethod
     def wrap(cls, model: Model, armt: ARMTConfig, key: jax.Array) -> ARMTModel:
@@ -88,7 +89,9 @@ class ARMTModel:
         """A copy with every parameter cast to `dtype` (the state dtype is unchanged)."""
         cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)  # noqa: E731
         base, memory = self.merge((cast(self.base.params), cast(nnx.state(self.memory))))
-        return ARMTModel(base, self.armt, memory, self.tokenizer)
+        out = ARMTModel(base, self.armt, memory, self.tokenizer)
+        out.cpu_execution = self.cpu_execution
+        return out
 
     def randomize_memory_params(self, key: jax.Array, scale: float = 1.0) -> ARMTModel:
         """Randomise W_mq, W_mk, W_mv, W_mb, b_mb in place (see `MemoryParams.randomize`); returns self."""

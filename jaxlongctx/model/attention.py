@@ -30,18 +30,18 @@ def attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_slot: jnp.ndarra
 
 
 def causal_prefill_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray,
-                             key_valid: jnp.ndarray) -> jnp.ndarray:
-    """Causal attention where query t sits at slot t; long inputs run in query blocks that only
-    read the key prefix they can see (half the work of a full mask, bounded score memory).
+                             key_valid: jnp.ndarray, chunk: int = PREFILL_CHUNK) -> jnp.ndarray:
+    """Causal attention where query t sits at slot t; long inputs run in blocks of `chunk` queries
+    that only read the key prefix they can see (half the work of a full mask, bounded score memory).
 
     q `[B, T, H, hd]`, k/v `[B, T, K, hd]`, key_valid `[B, T]` -> `[B, T, H, hd]`.
     """
     b, t = q.shape[:2]
-    if t <= PREFILL_CHUNK:
+    if t <= chunk:
         return attention(q, k, v, jnp.broadcast_to(jnp.arange(t), (b, t)), key_valid)
     outs = []
-    for start in range(0, t, PREFILL_CHUNK):
-        end = min(start + PREFILL_CHUNK, t)
+    for start in range(0, t, chunk):
+        end = min(start + chunk, t)
         slots = jnp.broadcast_to(jnp.arange(start, end), (b, end - start))
         outs.append(attention(q[:, start:end], k[:, :end], v[:, :end], slots, key_valid[:, :end]))
     return jnp.concatenate(outs, axis=1)
