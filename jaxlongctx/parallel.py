@@ -62,7 +62,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "w_down": ("layers", "mlp", "embed"),
 }
 
-CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # DenseCache k/v [L, B, S, K, hd]
+CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")  # DenseCache k/v [L, B, K, S, hd]
 
 # ARMT memory parameters (`MemoryParams`) by leaf name, and the memory state A [L, B, dk, D], z [L, B, dk].
 # W_mv is column parallel: each device holds the value columns (and the columns of A) of its shard,
@@ -198,7 +198,7 @@ def put_batch(x: Any, mesh: Mesh | None, axis: int = 0) -> jax.Array:
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of dense KV cache buffers `[L, B, S, K, hd]`: batch over dp, kv heads over tp."""
+    """Sharding of dense KV cache buffers `[L, B, K, S, hd]`: batch over dp, kv heads over tp."""
     return NamedSharding(mesh, logical_spec(CACHE_AXES))
 
 

@@ -108,10 +108,10 @@ def test_no_recompilation_across_lengths():
 def test_cpu_execution_choices_agree():
     """Diagonals batched or cell by cell, and the sequential-order shortcut the default takes on CPU
     for inputs with few segments, all give the sequential schedule's logits and memory."""
-    armt = make_armt()  # 3 layers: the default shortcut applies below 2 * 3 segments
+    armt = make_armt()  # 3 layers: the default shortcut applies below 3 * 3 segments
     cases = {"batched": PIPELINE_ALWAYS, "cell by cell": CPUExecution(batched_rows=0, min_segments_per_layer=0),
              "default": CPUExecution()}
-    for length, pipeline_by_default in ((37, False), (61, True)):  # 5 and 8 segments
+    for length, pipeline_by_default in ((37, False), (77, True)):  # 5 and 10 segments
         ids = RNG.integers(0, VOCAB, (2, length))
         want, want_state = armt.run(ids, schedule="sequential")
         for name, cpu in cases.items():

@@ -82,7 +82,7 @@ def test_forward_reduces_once_per_pair_and_gathers_only_logits(meshes):
 
 
 def test_kv_cache_is_sharded_over_kv_heads_and_batch(meshes):
-    assert meshes["cache_spec_2x2"] == "P(None, 'dp', None, 'tp', None)"
+    assert meshes["cache_spec_2x2"] == "P(None, 'dp', 'tp', None, None)"
 
 
 @pytest.mark.parametrize("source", ["checkpoint", "hf"])

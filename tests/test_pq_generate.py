@@ -77,7 +77,9 @@ def test_pq_logits_equal_dense_decode_over_reconstructed_cache(model, granularit
         ak = jnp.where(coded[None, :, :, None, None], _fake_quantize_dense(ek, k_cent), ek)
         av = jnp.where(coded[None, :, :, None, None], _fake_quantize_dense(ev, v_cent), ev)
         module = model.merge(p)
-        h, nk, nv = decode_hidden(module, tok, pos, slot, ak, av, valid)
+        heads_major = lambda x: x.transpose(0, 1, 3, 2, 4)  # noqa: E731  [L B S K D] <-> the cache's [L B K S D]
+        h, nk, nv = decode_hidden(module, tok, pos, slot, heads_major(ak), heads_major(av), valid)
+        nk, nv = heads_major(nk), heads_major(nv)
         at = (jnp.arange(s) == slot)[None, None, :, None, None]
         return module.head(h)[:, 0], jnp.where(at, nk, ek), jnp.where(at, nv, ev)
 

@@ -41,7 +41,7 @@ class CPUExecution(NamedTuple):
     """
 
     batched_rows: int = 3072
-    min_segments_per_layer: int = 2
+    min_segments_per_layer: int = 3
 
 
 PIPELINE_ALWAYS = CPUExecution(min_segments_per_layer=0)  # never the sequential-order shortcut

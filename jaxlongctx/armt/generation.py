@@ -41,7 +41,7 @@ def _prefill(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: j
 
     h, (k, v) = base.scan_layers(body, base.embed_ids(ids), (mem.layers(), *state))
     last = base.head(jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1))[:, 0]
-    return jnp.where((n > 0)[:, None], last, last_full), DenseCache(k, v, valid)
+    return jnp.where((n > 0)[:, None], last, last_full), DenseCache.from_prefill(k, v, valid, s)
 
 
 def _decode_step(model: Any, sampler: tuple, eos: tuple[int, ...], pad_id: int, params: Any,
@@ -57,12 +57,12 @@ def _decode_step(model: Any, sampler: tuple, eos: tuple[int, ...], pad_id: int, 
     cos, sin = rope_tables(pos[:, None], model.inv_freq)
 
     def body(layer, h, xs):
-        lm, a, z, ck, cv = xs  # one layer's memory and cache [B, S, K, hd]
+        lm, a, z, ck, cv = xs  # one layer's memory and cache [B, K, S, hd]
         h = read(h, lm, a, z)
         q, k, v = layer.project_qkv(h, cos, sin)
-        ck = jnp.where(hit[..., None, None], k.astype(ck.dtype), ck)
-        cv = jnp.where(hit[..., None, None], v.astype(cv.dtype), cv)
-        return layer.finish(h, attention(q, ck, cv, pos[:, None], key_valid)), (ck, cv)
+        ck = jnp.where(hit[:, None, :, None], k.swapaxes(1, 2).astype(ck.dtype), ck)
+        cv = jnp.where(hit[:, None, :, None], v.swapaxes(1, 2).astype(cv.dtype), cv)
+        return layer.finish(h, attention(q, ck, cv, pos[:, None], key_valid, heads_major=True)), (ck, cv)
 
     h, (ck, cv) = base.scan_layers(body, base.embed_ids(tok[:, None]), (mem.layers(), *state, cache.k, cache.v))
     return tok, done, base.head(h)[:, 0], DenseCache(ck, cv, key_valid), seg_ids

@@ -12,7 +12,8 @@ from jaxlongctx.config import ModelConfig
 class DenseCache(NamedTuple):
     """Per-layer keys/values in fixed slots; written in place (buffers are donated each step).
 
-    k, v `[L, B, S, K, hd]`; key_valid `[B, S]` marks slots holding real tokens.
+    k, v `[L, B, K, S, hd]` (kv heads before slots, so decode attention reads each head's keys
+    contiguously, with no per-step transpose); key_valid `[B, S]` marks slots holding real tokens.
     """
 
     k: jnp.ndarray
@@ -22,21 +23,22 @@ class DenseCache(NamedTuple):
     @classmethod
     def allocate(cls, config: ModelConfig, batch: int, capacity: int, dtype: jnp.dtype) -> DenseCache:
         """An empty cache of `capacity` slots."""
-        shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, batch, config.num_kv_heads, capacity, config.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, capacity), bool))
 
     @classmethod
     def from_prefill(cls, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray, capacity: int) -> DenseCache:
         """A cache of `capacity` slots holding prefill keys/values `[L, B, T, K, hd]` in slots `[0, T)`;
-        padding keeps the inputs' sharding (kv heads over tp, batch over dp) on a mesh."""
+        the layout change and padding keep the inputs' sharding (kv heads over tp, batch over dp)."""
         pad = capacity - k.shape[2]
-        slots = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
-        return cls(jnp.pad(k, slots), jnp.pad(v, slots), jnp.pad(mask, ((0, 0), (0, pad))))
+        slots = ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))
+        k, v = (jnp.pad(x.transpose(0, 1, 3, 2, 4), slots) for x in (k, v))
+        return cls(k, v, jnp.pad(mask, ((0, 0), (0, pad))))
 
     @property
     def capacity(self) -> int:
         """Number of token slots."""
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def nbytes(self) -> int:
         """Bytes held by the cache buffers."""

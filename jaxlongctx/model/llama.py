@@ -82,7 +82,7 @@ def decode_hidden(model: Llama, ids: jnp.ndarray, positions: jnp.ndarray, slot: 
     """One decode step over a static cache.
 
     ids `[B, 1]`, positions `[B, 1]` (RoPE), slot: scalar int (cache index the new token is written
-    to, the same for every row), cache_k/v `[L, B, S, K, hd]`, key_valid `[B, S]` (already True at
+    to, the same for every row), cache_k/v `[L, B, K, S, hd]`, key_valid `[B, S]` (already True at
     `slot`) -> hidden `[B, 1, D]` and the updated caches.
 
     The layer scan reads each layer's cache slice as a scanned input (never carrying the whole
@@ -93,14 +93,15 @@ def decode_hidden(model: Llama, ids: jnp.ndarray, positions: jnp.ndarray, slot: 
     q_slot = jnp.full((ids.shape[0], 1), slot, jnp.int32)
 
     def body(layer: DecoderLayer, h, layer_cache):
-        ck, cv = layer_cache  # [B, S, K, hd]
+        ck, cv = layer_cache  # [B, K, S, hd]
         q, k, v = layer.project_qkv(h, cos, sin)
-        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, slot, 0, 0))
-        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, slot, 0, 0))
-        out = attention(q, ck, cv, q_slot, key_valid)
+        k, v = (x.swapaxes(1, 2).astype(ck.dtype) for x in (k, v))  # [B, K, 1, hd]
+        ck = jax.lax.dynamic_update_slice(ck, k, (0, 0, slot, 0))
+        cv = jax.lax.dynamic_update_slice(cv, v, (0, 0, slot, 0))
+        out = attention(q, ck, cv, q_slot, key_valid, heads_major=True)
         return layer.finish(h, out), (k, v)
 
-    h, (k_new, v_new) = model.scan_layers(body, model.embed_ids(ids), (cache_k, cache_v))  # k_new: L B 1 K hd
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k_new.astype(cache_k.dtype), (0, 0, slot, 0, 0))
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v_new.astype(cache_v.dtype), (0, 0, slot, 0, 0))
+    h, (k_new, v_new) = model.scan_layers(body, model.embed_ids(ids), (cache_k, cache_v))  # k_new: L B K 1 hd
+    cache_k = jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, slot, 0))
+    cache_v = jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, 0, slot, 0))
     return h, cache_k, cache_v
