@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable
 
 import jax
@@ -50,6 +50,12 @@ def choose_next(sampler: tuple, eos: tuple[int, ...], pad_id: int, logits: jnp.n
     """Next ids `[B]` from logits `[B, V]`; stopped rows emit `pad_id`; returns (ids, updated done)."""
     tok = jnp.where(done, pad_id, select_next(logits, key, *sampler))
     return tok, (done | jnp.isin(tok, jnp.asarray(eos, jnp.int32))) if eos else done
+
+
+@lru_cache(maxsize=None)
+def _final_choice(sampler: tuple, eos: tuple[int, ...], pad_id: int) -> Callable:
+    """Jitted `choose_next` for these static settings."""
+    return jax.jit(partial(choose_next, sampler, eos, pad_id))
 
 
 def _decode_step(model: Model, sampler: tuple, eos: tuple[int, ...], pad_id: int,
@@ -110,7 +116,10 @@ class Request:
         keys = jax.random.split(jax.random.key(self.seed), self.max_new_tokens)
         out = []
         for i in tqdm(range(self.max_new_tokens), desc=desc, unit="tok", disable=not progress):
-            tok, done, logits, state = step(state, logits, keys[i], done, i)
+            if i + 1 < self.max_new_tokens:
+                tok, done, logits, state = step(state, logits, keys[i], done, i)
+            else:  # the last token is only chosen: no forward pass whose logits nobody reads
+                tok, done = _final_choice(*self.static_key)(logits, keys[i], done)
             out.append(tok)
             if (i + 1) % _ALL_DONE_CHECK_EVERY == 0 and bool(done.all()):
                 break
