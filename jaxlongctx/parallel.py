@@ -90,9 +90,10 @@ def make_mesh(tp: int = 1, dp: int = 1, devices: list[Any] | None = None) -> Mes
                          devices=devices[:dp * tp])
 
 
-def logical_spec(axes: tuple[str | None, ...]) -> P:
-    """The `PartitionSpec` of logical axes under `LOGICAL_AXES`."""
-    return P(*(None if a is None else LOGICAL_AXES[a] for a in axes))
+def logical_spec(axes: tuple[str | None, ...], rows: str | None = LOGICAL_AXES["batch"]) -> P:
+    """The `PartitionSpec` of logical axes under `LOGICAL_AXES`, the batch axis mapped to `rows`
+    (e.g. None where dp does not divide the batch)."""
+    return P(*(rows if a == "batch" else None if a is None else LOGICAL_AXES[a] for a in axes))
 
 
 def check_divisible(config: ModelConfig, mesh: Mesh) -> None:
@@ -169,9 +170,7 @@ def memory_state_shardings(mesh: Mesh, batch: int) -> dict[str, NamedSharding]:
     """Shardings of the ARMT memory state `{"A": ..., "z": ...}` for `batch` rows (split over dp when
     it divides the batch) with A's value columns over tp."""
     rows = batch_sharding(mesh, (batch,)).spec[0]
-    return {name: NamedSharding(mesh, P(*(rows if a == "batch" else None if a is None else LOGICAL_AXES[a]
-                                          for a in axes)))
-            for name, axes in MEMORY_STATE_AXES.items()}
+    return {name: NamedSharding(mesh, logical_spec(axes, rows)) for name, axes in MEMORY_STATE_AXES.items()}
 
 
 def mesh_of(tree: Any) -> Mesh | None:

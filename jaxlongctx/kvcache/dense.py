@@ -12,8 +12,8 @@ from jaxlongctx.config import ModelConfig
 class DenseCache(NamedTuple):
     """Per-layer keys/values in fixed slots; written in place (buffers are donated each step).
 
-    k, v `[L, B, K, S, hd]` (kv heads before slots, so decode attention reads each head's keys
-    contiguously, with no per-step transpose); key_valid `[B, S]` marks slots holding real tokens.
+    k, v `[L, B, K, S, hd]` (kv heads before slots: each head's keys are contiguous, so decode
+    attention needs no per-step move of the head axis); key_valid `[B, S]` marks slots holding real tokens.
     """
 
     k: jnp.ndarray

@@ -87,7 +87,9 @@ def decode_hidden(model: Llama, ids: jnp.ndarray, positions: jnp.ndarray, slot: 
 
     The layer scan reads each layer's cache slice as a scanned input (never carrying the whole
     cache, which would make XLA copy it every layer); the new token's keys/values of all layers
-    are written into the (donated) cache in place after the scan.
+    are written into the (donated) cache in place after the scan. Inside the scan the new key is
+    written into a copy of the layer's slice, and XLA transposes the keys for the score dot: both
+    cost a pass over the slice per layer and step, the main decode cost at long contexts.
     """
     cos, sin = model.rope(positions)
     q_slot = jnp.full((ids.shape[0], 1), slot, jnp.int32)
