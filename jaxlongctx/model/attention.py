@@ -28,9 +28,35 @@ def attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_slot: jnp.ndarra
     slots = jnp.arange(num_slots)
     visible = key_valid[:, None, :] & (slots[None, None, :] <= q_slot[:, :, None])  # B T S
     scores = jnp.where(visible[:, None, :, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum(f"bktgs,{keys}->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, hd).astype(q.dtype)
+    # softmax with the normalisation applied to the [.., hd] output instead of every score: one pass
+    # over the scores fewer
+    weights = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+    total = jnp.sum(weights, axis=-1).transpose(0, 2, 1, 3)  # B T K G
+    out = jnp.einsum(f"bktgs,{keys}->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return (out / total[..., None]).reshape(b, t, h, hd).astype(q.dtype)
+
+
+def decode_attention(q: jnp.ndarray, cache_k: jnp.ndarray, cache_v: jnp.ndarray, k_new: jnp.ndarray,
+                     v_new: jnp.ndarray, visible: jnp.ndarray) -> jnp.ndarray:
+    """One new token per row attending over the cache and over its own key/value, which are not yet in
+    the cache: the softmax joins both parts, so the step never writes into a copy of the cache first.
+
+    q `[B, 1, H, hd]`, cache_k/v `[B, K, S, hd]`, k_new/v_new `[B, 1, K, hd]`, visible `[B, S]` (cached
+    slots this token sees) -> `[B, 1, H, hd]`. Scores, softmax and the weighted sum accumulate in float32.
+    """
+    b, _, h, hd = q.shape
+    kv = cache_k.shape[1]
+    qg = q.reshape(b, kv, h // kv, hd)  # B K G hd
+    scale = hd ** -0.5
+    scores = jnp.einsum("bkgd,bksd->bkgs", qg, cache_k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
+    own = jnp.einsum("bkgd,bkd->bkg", qg, k_new[:, 0].astype(qg.dtype), preferred_element_type=jnp.float32) * scale
+    top = jnp.maximum(jnp.max(scores, axis=-1), own)  # B K G
+    weights, own_weight = jnp.exp(scores - top[..., None]), jnp.exp(own - top)
+    total = jnp.sum(weights, axis=-1) + own_weight
+    out = jnp.einsum("bkgs,bksd->bkgd", weights.astype(cache_v.dtype), cache_v, preferred_element_type=jnp.float32)
+    out = out + own_weight[..., None] * v_new[:, 0, :, None, :].astype(jnp.float32)
+    return (out / total[..., None]).reshape(b, 1, h, hd).astype(q.dtype)
 
 
 def causal_prefill_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlongctx.config import ModelConfig
-from jaxlongctx.model.attention import attention, causal_prefill_attention
+from jaxlongctx.model.attention import causal_prefill_attention, decode_attention
 from jaxlongctx.model.layers import DecoderLayer, rms_norm, stacked_layers
 from jaxlongctx.model.rope import inverse_frequencies, rope_tables
 from jaxlongctx.parallel import embed_lookup, reshard_like
@@ -86,22 +86,18 @@ def decode_hidden(model: Llama, ids: jnp.ndarray, positions: jnp.ndarray, slot: 
     `slot`) -> hidden `[B, 1, D]` and the updated caches.
 
     The layer scan reads each layer's cache slice as a scanned input (never carrying the whole
-    cache, which would make XLA copy it every layer); the new token's keys/values of all layers
-    are written into the (donated) cache in place after the scan. Inside the scan the new key is
-    written into a copy of the layer's slice, and XLA transposes the keys for the score dot: both
-    cost a pass over the slice per layer and step, the main decode cost at long contexts.
+    cache, which would make XLA copy it every layer). The new token attends to the cached slots
+    and to its own key/value separately (`decode_attention`), so no layer writes into its slice;
+    the new keys/values of all layers go into the (donated) cache in place after the scan.
     """
     cos, sin = model.rope(positions)
-    q_slot = jnp.full((ids.shape[0], 1), slot, jnp.int32)
+    visible = key_valid & (jnp.arange(cache_k.shape[3]) < slot)[None]  # cached tokens before `slot`
 
     def body(layer: DecoderLayer, h, layer_cache):
         ck, cv = layer_cache  # [B, K, S, hd]
-        q, k, v = layer.project_qkv(h, cos, sin)
-        k, v = (x.swapaxes(1, 2).astype(ck.dtype) for x in (k, v))  # [B, K, 1, hd]
-        ck = jax.lax.dynamic_update_slice(ck, k, (0, 0, slot, 0))
-        cv = jax.lax.dynamic_update_slice(cv, v, (0, 0, slot, 0))
-        out = attention(q, ck, cv, q_slot, key_valid, heads_major=True)
-        return layer.finish(h, out), (k, v)
+        q, k, v = layer.project_qkv(h, cos, sin)  # k/v: B 1 K hd
+        out = decode_attention(q, ck, cv, k, v, visible)
+        return layer.finish(h, out), tuple(x.swapaxes(1, 2).astype(ck.dtype) for x in (k, v))
 
     h, (k_new, v_new) = model.scan_layers(body, model.embed_ids(ids), (cache_k, cache_v))  # k_new: L B K 1 hd
     cache_k = jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, slot, 0))
