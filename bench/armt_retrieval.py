@@ -1,10 +1,12 @@
-"""Haystack retrieval accuracy vs context length: ARMT (diagonal schedule) vs the full-attention base.
+"""Haystack retrieval accuracy vs context length: ARMT (diagonal schedule) vs full attention.
 
     python bench/armt_retrieval.py [--quick] [--armt-ckpt DIR] [--base DIR]
 
 Held-out samples (evaluation seeds), one fact per haystack as in the shipped ARMT's training;
 exact match and per-digit accuracy of the 4-digit answer (teacher-forced argmax, equivalent to
-greedy decoding being right), with the chance levels. Writes bench/results/armt_retrieval.{json,png}.
+greedy decoding being right), with the chance levels. Full attention runs twice: the pretrained
+base model, and the ARMT model's own fine-tuned weights without the memory. ARMT rows also split
+the samples by whether the answer needed the memory. Writes bench/results/armt_retrieval.{json,png}.
 """
 
 from __future__ import annotations
@@ -33,16 +35,21 @@ def main() -> None:
     args = p.parse_args()
     armt, base = load(args.armt_ckpt, "fp32"), load(args.base, "fp32")
     if args.quick:
-        plan = {"armt": [(n, 8) for n in (512, 1024, 2048, 4096)], "full_attention": [(n, 8) for n in (512, 2048)]}
+        full = [(n, 8) for n in (512, 2048)]
+        plan = {"armt": [(n, 8) for n in (512, 1024, 2048, 4096)], "full_attention": full,
+                "full_attention_finetuned": full}
     else:
+        full = [(512, 64), (1024, 32), (2048, 16), (4096, 8), (8192, 4)]
         plan = {"armt": [(512, 64), (1024, 64), (2048, 64), (4096, 32), (8192, 16), (16384, 8), (32768, 8)],
-                "full_attention": [(512, 64), (1024, 32), (2048, 16), (4096, 8), (8192, 4)]}
-    models = {"armt": lambda ids: armt(ids, schedule="diagonal"), "full_attention": base}
+                "full_attention": full, "full_attention_finetuned": full}
+    models = {"armt": lambda ids: armt(ids, schedule="diagonal"), "full_attention": base,
+              "full_attention_finetuned": armt.base}
     rows: dict[str, list[dict]] = {name: [] for name in plan}
     for name, sizes in plan.items():
         for length, samples in sizes:
             t0 = time.perf_counter()
-            r = retrieval_accuracy(models[name], length, samples, num_facts=args.num_facts)
+            segment_size = armt.armt.segment_size if name == "armt" else None
+            r = retrieval_accuracy(models[name], length, samples, num_facts=args.num_facts, segment_size=segment_size)
             r["wall_s"] = time.perf_counter() - t0
             rows[name].append(r)
             print(name, r, flush=True)

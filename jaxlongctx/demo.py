@@ -59,8 +59,7 @@ def retrieval(armt: Any, context: int, samples: int, echo: Callable[[str], None]
             answer = tok.decode(pred.tolist(), skip_special_tokens=False)
             echo(f"  ARMT answer: {answer!r}   truth: {s.answer!r}   ({secs:.1f} s incl. compile)")
             if not np.isfinite(np.asarray(armt(s.ids[None])[0, -1])).all():
-                echo("  warning: this ARMT model's memory state diverged (non-finite logits) at this length; "
-                     "its fine-tuning saw at most 4 segments")
+                echo("  warning: this ARMT model's memory state diverged (non-finite logits) at this length")
     exact = sum(r["exact"] for r in rows) / samples
     digits = sum(r["digits"] for r in rows) / (samples * CODE_DIGITS)
     echo(f"  accuracy over {samples} samples: exact {exact:.0%} (chance {10.0 ** -CODE_DIGITS:.2%}), "
@@ -88,7 +87,7 @@ def decode_speed(base: Any, prompt_tokens: int, new_tokens: int, echo: Callable[
                  **cache: Any) -> dict[str, Any]:
     """Prefill `prompt_tokens` and decode `new_tokens` greedily; tokens/s of each phase."""
     ids = np.random.default_rng(1).integers(3, base.config.vocab_size, (1, prompt_tokens)).astype(np.int32)
-    generate(base, ids, 2, eos_id=-1, **cache)  # compile prefill and step
+    generate(base, ids, new_tokens, eos_id=-1, **cache)  # compile and warm up the same run
     t: dict[str, float] = {}
     out = generate(base, ids, new_tokens, eos_id=-1, timings=t, **cache)
     result = {"prefill_tokens_per_s": prompt_tokens / t["prefill_s"],

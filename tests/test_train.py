@@ -9,16 +9,18 @@ import math
 import shutil
 from pathlib import Path
 
-
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from jaxlongctx.data.haystack import CODE_DIGITS
 from jaxlongctx.data.tokenizer import BOS_ID, encode_corpus, load_default_tokenizer
 from jaxlongctx.model.llama import forward
 from jaxlongctx.model.model import Model
-from jaxlongctx.train.armt_finetune import answer_logits, curriculum, haystack_batch
+from jaxlongctx.train.armt_finetune import (Stage, add_train_armt_arguments, answer_logits, haystack_batch,
+                                            parse_curriculum, retrieval_loss, run_train_armt, stage_per_step)
 from jaxlongctx.train.data import TokenWindows, eval_windows
 from jaxlongctx.train.evaluate import forward_with_kv_transform, unigram_baseline
 from jaxlongctx.train.lm import QUICK_CONFIG, add_train_lm_arguments, run_train_lm
@@ -98,16 +100,80 @@ def test_unigram_baseline():
 
 
 def test_armt_curriculum_and_answer_positions():
-    assert curriculum([1, 2, 4], 7) == [1, 1, 2, 2, 4, 4, 4]
-    with pytest.raises(ValueError, match="stage"):
-        curriculum([1, 2], 1)
-    batch = haystack_batch(0, 2, 256, load_default_tokenizer(), 128, num_facts=4)
-    assert batch["seg_ids"].shape == (2, 2, 128) and batch["answer_ids"].shape == (2, CODE_DIGITS)
-    flat = batch["seg_ids"].transpose(1, 0, 2).reshape(2, -1)
-    np.testing.assert_array_equal(flat[:, -(CODE_DIGITS - 1):], batch["answer_ids"][:, :-1])
-    logits = jnp.asarray(np.arange(2 * 2 * 128, dtype=np.float32).reshape(2, 2, 128, 1))  # nS B S V=1
-    picked = answer_logits(logits, 256)[..., 0]  # B 4: flat positions 252..255 of each row
-    np.testing.assert_array_equal(picked[1], logits[1, 1, 124:, 0])
+    stages = parse_curriculum("64:2:8, 256:3:2")
+    assert stages == [Stage(64, 2, 8), Stage(256, 3, 2)]
+    assert [st.tokens for st in stage_per_step(stages)] == [64, 64, 256, 256, 256]
+    for bad in ("64:2", "64:0:4", "a:1:1"):
+        with pytest.raises(ValueError, match="stage"):
+            parse_curriculum(bad)
+    batch = haystack_batch(0, 8, 256, load_default_tokenizer(), 128, num_facts=4)
+    lengths = batch["lengths"]
+    assert batch["seg_ids"].shape == (2, 8, 128) and batch["answer_ids"].shape == (8, CODE_DIGITS)
+    assert ((lengths > 128) & (lengths <= 256)).all() and len(set(lengths.tolist())) > 1  # random ends
+    flat = batch["seg_ids"].transpose(1, 0, 2).reshape(8, -1)
+    np.testing.assert_array_equal(flat, batch["ids"])
+    for row, n in enumerate(lengths):
+        np.testing.assert_array_equal(flat[row, n - (CODE_DIGITS - 1):n], batch["answer_ids"][row, :-1])
+        assert (flat[row, n:] == 0).all()
+    logits = jnp.asarray(np.arange(2 * 8 * 128, dtype=np.float32).reshape(2, 8, 128, 1))  # nS B S V=1
+    picked = np.asarray(answer_logits(logits, jnp.asarray(lengths))[..., 0])  # B 4: flat positions n-4..n-1
+    flat_logits = np.asarray(logits)[..., 0].transpose(1, 0, 2).reshape(8, -1)
+    for row, n in enumerate(lengths):
+        np.testing.assert_array_equal(picked[row], flat_logits[row, n - CODE_DIGITS:n])
+
+    boundary = haystack_batch(0, 4, 512, load_default_tokenizer(), 128, num_facts=1, boundary_fraction=1.0)
+    assert (boundary["lengths"] == 384 + CODE_DIGITS - 1).all()  # prompt of 3 whole segments, then the answer
+    assert (boundary["seg_n"][:, 0] == [128, 128, 128, CODE_DIGITS - 1]).all()
+    one_segment = haystack_batch(0, 4, 128, load_default_tokenizer(), 128, num_facts=1, boundary_fraction=1.0)
+    assert (one_segment["lengths"] > 64).all()  # no whole-segment prompt fits: ends stay random
+    with pytest.raises(ValueError, match="boundary_fraction"):
+        haystack_batch(0, 1, 256, load_default_tokenizer(), 128, num_facts=1, boundary_fraction=1.5)
+
+    short = haystack_batch(0, 2, 64, load_default_tokenizer(), 128, num_facts=1)  # one padded segment
+    assert short["seg_ids"].shape == (1, 2, 128) and short["ids"].shape == (2, 64)
+    n = short["lengths"]
+    assert (short["seg_n"][0] == n).all() and ((n > 32) & (n <= 64)).all()
+    logits = jax.random.normal(jax.random.key(0), (1, 2, 128, 4096))
+    answer, lm = [], []
+    for row in range(2):
+        x = logits[0, row]  # S V
+        answer.append(optax.softmax_cross_entropy_with_integer_labels(x[n[row] - 4:n[row]], short["answer_ids"][row]))
+        lm.append(optax.softmax_cross_entropy_with_integer_labels(x[:n[row] - 1], short["ids"][row, 1:n[row]]))
+    answer, lm = jnp.concatenate(answer).mean(), jnp.concatenate(lm).mean()
+    args = (logits, short["ids"], jnp.asarray(n), short["answer_ids"])
+    np.testing.assert_allclose(retrieval_loss(*args, 0.0), answer, rtol=1e-6)
+    np.testing.assert_allclose(retrieval_loss(*args, 0.5), answer + 0.5 * lm, rtol=1e-6)
+
+
+@pytest.mark.skipif(not BASE_MODEL.is_dir(), reason="base model asset not built yet")
+def test_train_armt_runs_its_curriculum_and_saves_a_loadable_model(tmp_path):
+    from jaxlongctx.loading import load
+
+    parser = argparse.ArgumentParser()
+    add_train_armt_arguments(parser)
+    args = ["--base", str(BASE_MODEL), "--out", str(tmp_path / "run"), "--save", str(tmp_path / "armt"),
+            "--curriculum", "64:2:2,256:2:2", "--ckpt-every", "2", "--eval-lengths", "256", "--eval-samples", "2",
+            "--no-progress"]
+    summary = run_train_armt(parser.parse_args(args))
+    assert summary["steps"] == 4 and [st["tokens"] for st in summary["curriculum"]] == [64, 256]
+    assert np.isfinite(summary["final_loss"]) and summary["accuracy"][0]["samples"] == 2
+    history = json.loads((tmp_path / "run/checkpoints/step_00000004/trainer.json").read_text())["history"]
+    assert len(history["loss"]) == 4
+    armt = load(tmp_path / "armt")
+    assert armt.armt.segment_size == 128 and armt.tokenizer is not None
+    out = armt(np.full((1, 200), 5, np.int32))
+    assert out.shape == (1, 200, 4096) and np.isfinite(np.asarray(out)).all()
+
+    again = ["--init", str(tmp_path / "armt"), "--out", str(tmp_path / "run2"), "--save", str(tmp_path / "armt2"),
+             "--curriculum", "256:1:2", "--no-progress"]
+    with pytest.raises(ValueError, match="--segment-size only apply with --base"):
+        run_train_armt(parser.parse_args(again + ["--segment-size", "64"]))
+    summary = run_train_armt(parser.parse_args(again))
+    assert summary["init"] == str(tmp_path / "armt") and summary["armt_config"]["segment_size"] == 128
+    further = load(tmp_path / "armt2")
+    assert further.armt == armt.armt and float(jnp.abs(further(np.full((1, 200), 5, np.int32)) - out).max()) > 0
+    with pytest.raises(SystemExit):  # --base and --init exclude each other
+        parser.parse_args(["--base", "a", "--init", "b", "--out", "c"])
 
 
 @pytest.mark.skipif(not BASE_MODEL.is_dir(), reason="base model asset not built yet")
@@ -139,3 +205,36 @@ def test_eval_ppl_of_shipped_model_beats_unigram():
     assert out["tokens"] == 1024 and out["ppl"] < 0.7 * out["unigram"]["ppl"]
     with pytest.raises(ValueError, match="--context"):
         run_eval_ppl(parser.parse_args(["--ckpt", str(BASE_MODEL), "--context", "0"]))
+
+
+def _ngram_copy_logits(ids: np.ndarray, window: int | None, vocab: int = 4096, n: int = 3) -> np.ndarray:
+    """An exact in-context copier: at each position, predict the token that followed the last earlier
+    occurrence of the current n-gram, looking back only within the position's `window`-token segment."""
+    b, t = ids.shape
+    logits = np.zeros((b, t, vocab), np.float32)
+    for row in range(b):
+        for pos in range(n - 1, t):
+            start = 0 if window is None else pos // window * window
+            key = tuple(ids[row, pos - n + 1:pos + 1])
+            for j in range(pos - 1, max(start, n - 1) - 1, -1):
+                if tuple(ids[row, j - n + 1:j + 1]) == key:
+                    logits[row, pos, ids[row, j + 1]] = 1.0
+                    break
+    return logits
+
+
+def test_retrieval_accuracy_splits_attention_from_memory():
+    from jaxlongctx.train.evaluate import retrieval_accuracy
+
+    def score(window, length, samples=8, **kw):
+        return retrieval_accuracy(lambda ids: _ngram_copy_logits(ids, window), length, samples, batch_size=4,
+                                  num_facts=1, **kw)
+
+    full = score(None, 380, segment_size=128)  # answer digits predicted at 379..382: all in segment 2
+    assert full["exact_match"] == 1.0 and full["samples"] == 8
+    assert full["in_segment_samples"] > 0 and full["from_memory_samples"] > 0
+    windowed = score(128, 380, segment_size=128)  # sees only its own segment, like attention in ARMT
+    assert windowed["in_segment_exact_match"] == 1.0 and windowed["from_memory_exact_match"] == 0.0
+    straddling = score(128, 384, segment_size=128)  # digits 2-4 are predicted in a new segment
+    assert straddling["in_segment_samples"] == 0 and straddling["from_memory_exact_match"] == 0.0
+    assert "in_segment_samples" not in score(None, 380, samples=1)

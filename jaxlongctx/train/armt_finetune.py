@@ -1,8 +1,11 @@
 """ARMT fine-tuning on the haystack retrieval task through the diagonal schedule (`jaxlongctx train-armt`).
 
-A training sample is a haystack prompt followed by its answer digits, exactly `k * segment_size`
-tokens long; the loss is the cross-entropy of the answer digits only. A curriculum doubles the
-number of segments `k` (1, 2, 4, ...) in equal-length stages.
+A training sample is a haystack prompt followed by its answer digits, exactly `tokens` long. The
+loss is the cross-entropy of the answer digits plus `lm_weight` times the mean next-token loss over
+the whole sample (it keeps the model a language model and teaches it to copy the asked subject).
+The curriculum is a list of stages, each a sample length, a number of steps and a batch size. The
+usual one first teaches in-segment retrieval on one segment (short filler, then a full segment), then
+doubles the number of segments (2, 4, ...), so that the answer must come through the memory.
 """
 
 from __future__ import annotations
@@ -23,58 +26,137 @@ from flax import nnx
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.armt.segments import Segments, segment
-from jaxlongctx.data.haystack import CODE_DIGITS, make_batch, train_seed
+from jaxlongctx.data.haystack import CODE_DIGITS, make_sample, train_seed
 from jaxlongctx.data.tokenizer import load_default_tokenizer
 from jaxlongctx.train.evaluate import answer_inputs, retrieval_accuracy
 from jaxlongctx.train.optim import OptimConfig, make_optimizer
 from jaxlongctx.train.trainer import Trainer, TrainerConfig, load_into
 
+DEFAULT_CURRICULUM = "64:300:32,128:300:32,256:800:16,512:400:8"
 
-def curriculum(stages: list[int], steps: int) -> list[int]:
-    """Segments per training step: `steps` split into equal consecutive stages of `stages` segments."""
-    if not stages or any(s < 1 for s in stages):
-        raise ValueError(f"curriculum stages must be positive segment counts, got {stages}")
-    if steps < len(stages):
-        raise ValueError(f"need at least one step per curriculum stage ({len(stages)}), got {steps} steps")
-    bounds = np.linspace(0, steps, len(stages) + 1).astype(int)
-    return [stages[i] for i in range(len(stages)) for _ in range(bounds[i + 1] - bounds[i])]
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """`steps` training steps on batches of `batch_size` samples of `tokens` tokens each."""
+
+    tokens: int
+    steps: int
+    batch_size: int
+
+
+def parse_curriculum(text: str) -> list[Stage]:
+    """`"tokens:steps:batch,..."` (e.g. `"128:400:32,256:500:16"`) -> stages, in order."""
+    stages = []
+    for part in text.split(","):
+        fields = part.strip().split(":")
+        try:
+            stage = Stage(*(int(f) for f in fields))
+        except (TypeError, ValueError):
+            raise ValueError(f"curriculum stages are tokens:steps:batch_size, got {part.strip()!r}") from None
+        if min(stage.tokens, stage.steps, stage.batch_size) < 1:
+            raise ValueError(f"curriculum stage values must be >= 1, got {part.strip()!r}")
+        stages.append(stage)
+    return stages
+
+
+def stage_per_step(stages: list[Stage]) -> list[Stage]:
+    """The stage of every training step."""
+    return [stage for stage in stages for _ in range(stage.steps)]
 
 
 def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, segment_size: int,
-                   num_facts: int) -> dict[str, np.ndarray]:
-    """Segments of prompts + answers of exactly `total_tokens` tokens and the answer digits `[B, 4]`."""
-    raw = make_batch(seed, batch, total_tokens - (CODE_DIGITS - 1), tokenizer, num_facts=num_facts)
-    ids = answer_inputs(raw["ids"], raw["answer_ids"])
-    segs = segment(ids, np.full((batch,), ids.shape[1], np.int32), segment_size)
-    return {"seg_ids": segs.ids, "seg_n": segs.n, "seg_first": segs.first, "answer_ids": raw["answer_ids"]}
+                   num_facts: int, boundary_fraction: float = 0.0) -> dict[str, np.ndarray]:
+    """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
+    the answer digits `[B, 4]`, with `T = total_tokens`.
+
+    Each sample ends at a uniformly random position of its last segment (its length is in
+    `(T - segment_size, T]`, and above T / 2), so the question and the answer straddle segment
+    boundaries in every way they can when a user's prompt is cut into segments. In addition, about
+    `boundary_fraction` of the samples (where T spans 2 segments or more) have a prompt of whole
+    segments: the answer's later digits are then predicted in a new segment that holds no question,
+    only the memory, as when a prompt of 16K tokens is answered.
+    """
+    if not 0.0 <= boundary_fraction <= 1.0:
+        raise ValueError(f"boundary_fraction must be in [0, 1], got {boundary_fraction}")
+    rng = np.random.default_rng([seed, 1])
+    shortest = max(total_tokens - segment_size + 1, total_tokens // 2 + 1)
+    whole_segments = (total_tokens - CODE_DIGITS + 1) // segment_size * segment_size  # longest such prompt (or 0)
+    ids = np.zeros((batch, total_tokens), np.int32)
+    lengths = np.zeros(batch, np.int32)
+    answers = np.zeros((batch, CODE_DIGITS), np.int32)
+    for i in range(batch):
+        length = int(rng.integers(shortest, total_tokens + 1))
+        if boundary_fraction and whole_segments > 0 and rng.random() < boundary_fraction:
+            length = whole_segments + CODE_DIGITS - 1
+        for _ in range(total_tokens):  # too short for the facts and question: take a longer one
+            try:
+                sample = make_sample(np.random.default_rng([seed, i]), length - (CODE_DIGITS - 1), tokenizer,
+                                     num_facts=num_facts)
+                break
+            except ValueError:
+                if length == total_tokens:
+                    raise
+                length += 1
+        row = answer_inputs(sample.ids[None], sample.answer_ids[None])[0]
+        ids[i, :length], lengths[i], answers[i] = row, length, sample.answer_ids
+    segs = segment(ids, lengths, segment_size)
+    return {"ids": ids, "lengths": lengths, "seg_ids": segs.ids, "seg_n": segs.n, "seg_first": segs.first,
+            "answer_ids": answers}
 
 
-def answer_logits(logits: jnp.ndarray, total_tokens: int) -> jnp.ndarray:
-    """Logits `[nS, B, S, V]` -> those predicting the answer digits `[B, CODE_DIGITS, V]`."""
+def flat_logits(logits: jnp.ndarray, total_tokens: int) -> jnp.ndarray:
+    """Segment logits `[nS, B, S, V]` -> the sample's `[B, total_tokens, V]` in token order."""
     flat = jnp.swapaxes(logits, 0, 1).reshape(logits.shape[1], -1, logits.shape[-1])  # B nS*S V
-    return flat[:, total_tokens - CODE_DIGITS:total_tokens]
+    return flat[:, :total_tokens]
 
 
-def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, batch_size: int,
-                 schedule_segments: list[int], num_facts: int = 4, freeze_base: bool = False,
-                 seed: int = 0) -> Trainer:
-    """A `Trainer` of the answer-digit loss through the diagonal schedule (memory params, and the
-    base weights unless `freeze_base`)."""
+def answer_logits(logits: jnp.ndarray, lengths: jnp.ndarray) -> jnp.ndarray:
+    """Logits `[nS, B, S, V]` of samples of `lengths [B]` -> those predicting the answer digits
+    `[B, CODE_DIGITS, V]` (the last CODE_DIGITS positions of each sample)."""
+    flat = jnp.swapaxes(logits, 0, 1).reshape(logits.shape[1], -1, logits.shape[-1])  # B nS*S V
+    positions = lengths[:, None] - CODE_DIGITS + jnp.arange(CODE_DIGITS)[None]  # B 4
+    return jnp.take_along_axis(flat, positions[..., None], axis=1)
+
+
+def retrieval_loss(logits: jnp.ndarray, ids: jnp.ndarray, lengths: jnp.ndarray, answer_ids: jnp.ndarray,
+                   lm_weight: float) -> jnp.ndarray:
+    """Answer-digit cross-entropy + `lm_weight` x next-token cross-entropy over the samples' tokens.
+
+    logits `[nS, B, S, V]` of the segmented sample ids `[B, T]` (right-padded to T), lengths `[B]`,
+    answer_ids `[B, CODE_DIGITS]`.
+    """
+    answer = optax.softmax_cross_entropy_with_integer_labels(answer_logits(logits, lengths), answer_ids)
+    loss = jnp.mean(answer)
+    if lm_weight:
+        total = ids.shape[1]
+        lm = optax.softmax_cross_entropy_with_integer_labels(flat_logits(logits, total)[:, :-1], ids[:, 1:])
+        weight = (jnp.arange(total - 1)[None] < lengths[:, None] - 1).astype(lm.dtype)  # real targets
+        loss = loss + lm_weight * jnp.sum(lm * weight) / jnp.sum(weight)
+    return loss
+
+
+def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, stages: list[Stage],
+                 num_facts: int = 1, lm_weight: float = 1.0, freeze_base: bool = False, seed: int = 0,
+                 boundary_fraction: float = 0.25) -> Trainer:
+    """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
+    params, and the base weights unless `freeze_base`)."""
     tokenizer = load_default_tokenizer()
     s = armt.armt.segment_size
+    per_step = stage_per_step(stages)
+    if len(per_step) != trainer.steps:
+        raise ValueError(f"the curriculum has {len(per_step)} steps, the trainer {trainer.steps}")
     base, memory = (nnx.to_pure_dict(p) for p in armt.params)
 
     def batch_fn(step: int) -> dict[str, np.ndarray]:
-        return haystack_batch(train_seed(seed * 1_000_000 + step), batch_size, schedule_segments[step] * s,
-                              tokenizer, s, num_facts)
+        stage = per_step[step]
+        return haystack_batch(train_seed(seed * 1_000_000 + step), stage.batch_size, stage.tokens, tokenizer, s,
+                              num_facts, boundary_fraction)
 
     def loss_fn(params, frozen, batch):
         full = (frozen, params) if freeze_base else params
         segs = Segments(batch["seg_ids"], batch["seg_n"], batch["seg_first"])
         _, logits = armt.run_segments(full, segs, "diagonal")
-        total = segs.ids.shape[0] * s
-        ce = optax.softmax_cross_entropy_with_integer_labels(answer_logits(logits, total), batch["answer_ids"])
-        return jnp.mean(ce)
+        return retrieval_loss(logits, batch["ids"], batch["lengths"], batch["answer_ids"], lm_weight)
 
     params, frozen = (memory, base) if freeze_base else ((base, memory), None)
     return Trainer(loss_fn, params, make_optimizer(optim), batch_fn, trainer, frozen=frozen,
@@ -84,18 +166,25 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, ba
 # --- CLI: train-armt ------------------------------------------------------------------------------
 def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `jaxlongctx train-armt`."""
-    parser.add_argument("--base", required=True, help="base model checkpoint (jaxlongctx or HF directory)")
+    start = parser.add_mutually_exclusive_group(required=True)
+    start.add_argument("--base", help="base model checkpoint (jaxlongctx or HF directory) to add a fresh memory to")
+    start.add_argument("--init", help="ARMT checkpoint to fine-tune further (its segment and memory sizes are kept)")
     parser.add_argument("--out", required=True, help="run directory (checkpoints, loss curve, summary.json); "
                                                      "an existing run there is resumed")
     parser.add_argument("--save", help="write the fine-tuned ARMT model here")
     parser.add_argument("--save-dtype", choices=["bf16", "fp32"], default="bf16")
-    parser.add_argument("--segment-size", type=int, default=128)
-    parser.add_argument("--mem-tokens", type=int, default=16)
-    parser.add_argument("--d-mem", type=int, default=32)
-    parser.add_argument("--curriculum", default="1,2,4", help="segments per sample, one stage each (default 1,2,4)")
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--num-facts", type=int, default=4)
+    parser.add_argument("--segment-size", type=int, help="with --base (default 128)")
+    parser.add_argument("--mem-tokens", type=int, help="with --base (default 16)")
+    parser.add_argument("--d-mem", type=int, help="with --base (default 32)")
+    parser.add_argument("--curriculum", default=DEFAULT_CURRICULUM,
+                        help="stages tokens:steps:batch_size, comma-separated (default %(default)s: one segment "
+                             "with short filler, one full segment, then 2 and 4 segments of 128)")
+    parser.add_argument("--num-facts", type=int, default=1)
+    parser.add_argument("--boundary-fraction", type=float, default=0.25,
+                        help="share of samples whose prompt is whole segments, so that the answer starts a new "
+                             "segment (default 0.25)")
+    parser.add_argument("--lm-weight", type=float, default=1.0,
+                        help="weight of the next-token loss over the whole sample, added to the answer loss")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--freeze-base", action="store_true", help="train only the memory parameters")
     parser.add_argument("--seed", type=int, default=0)
@@ -116,40 +205,55 @@ def _int_list(text: str, name: str) -> list[int]:
 
 
 def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
-    """`jaxlongctx train-armt`: wrap the base model with ARMT memory, fine-tune (or resume), save."""
+    """`jaxlongctx train-armt`: wrap the base model with a fresh ARMT memory (or start from an ARMT
+    checkpoint), fine-tune (or resume the run in `--out`), save."""
     from jaxlongctx.loading import load
 
-    stages = _int_list(args.curriculum, "--curriculum")
-    if min(args.steps, args.batch_size) < 1:
-        raise ValueError(f"--steps and --batch-size must be >= 1, got {args.steps} and {args.batch_size}")
-    base = load(args.base, "fp32")
-    cfg = ARMTConfig(args.segment_size, args.mem_tokens, args.d_mem)
-    armt = base.with_armt(cfg, jax.random.key(args.seed))
+    stages = parse_curriculum(args.curriculum)
+    steps = sum(stage.steps for stage in stages)
+    sizes = {"--segment-size": args.segment_size, "--mem-tokens": args.mem_tokens, "--d-mem": args.d_mem}
+    if args.init:
+        given = [name for name, value in sizes.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --base; --init keeps its checkpoint's sizes")
+        armt = load(args.init, "fp32")
+        if not isinstance(armt, ARMTModel):
+            raise ValueError(f"--init {args.init} holds a {type(armt).__name__}, not an ARMT model")
+        cfg = armt.armt
+    else:
+        defaults = {"--segment-size": 128, "--mem-tokens": 16, "--d-mem": 32}
+        cfg = ARMTConfig(*(defaults[name] if value is None else value for name, value in sizes.items()))
+        armt = load(args.base, "fp32").with_armt(cfg, jax.random.key(args.seed))
     out = Path(args.out)
-    optim = OptimConfig(lr=args.lr, warmup_steps=max(1, args.steps // 20), total_steps=args.steps,
-                        weight_decay=0.0)
-    tcfg = TrainerConfig(steps=args.steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress)
-    schedule = curriculum(stages, args.steps)
-    trainer = armt_trainer(armt, optim, tcfg, args.batch_size, schedule, args.num_facts, args.freeze_base, args.seed)
+    warmup = max(1, steps // 50) if steps > 1 else 0
+    optim = OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=steps, weight_decay=0.0)
+    tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress)
+    trainer = armt_trainer(armt, optim, tcfg, stages, args.num_facts, args.lm_weight, args.freeze_base, args.seed,
+                           args.boundary_fraction)
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
     trainer.run()
-    trainer.plot(out / "loss_curve.png", title="ARMT fine-tuning: answer-digit loss")
+    trainer.plot(out / "loss_curve.png", title="ARMT fine-tuning: answer-digit + weighted next-token loss")
     base_state, memory = (trainer.frozen, trainer.params) if args.freeze_base else trainer.params
     load_into(armt.base.module, base_state)
     load_into(armt.memory, memory)
     summary: dict[str, Any] = {
-        "armt_config": cfg.to_dict(), "optim": dataclasses.asdict(optim), "steps": args.steps,
-        "curriculum": stages, "batch_size": args.batch_size, "freeze_base": args.freeze_base,
-        "num_facts": args.num_facts, "resumed": resumed, "train_wall_s": trainer.history["wall_s"][-1],
-        "this_session_wall_s": time.perf_counter() - t0, "final_loss": trainer.history["loss"][-1],
-        "accuracy": [retrieval_accuracy(armt, n, args.eval_samples, num_facts=args.num_facts)
+        "init": args.init, "base": args.base, "armt_config": cfg.to_dict(), "optim": dataclasses.asdict(optim),
+        "steps": steps,
+        "curriculum": [dataclasses.asdict(stage) for stage in stages], "lm_weight": args.lm_weight,
+        "boundary_fraction": args.boundary_fraction,
+        "freeze_base": args.freeze_base, "num_facts": args.num_facts, "resumed": resumed,
+        "train_wall_s": trainer.history["wall_s"][-1], "this_session_wall_s": time.perf_counter() - t0,
+        "final_loss": trainer.history["loss"][-1],
+        "accuracy": [retrieval_accuracy(armt, n, args.eval_samples, num_facts=args.num_facts,
+                                        segment_size=cfg.segment_size)
                      for n in _int_list(args.eval_lengths, "--eval-lengths")],
     }
     if args.save:
         dtype = jnp.bfloat16 if args.save_dtype == "bf16" else jnp.float32
         cast = jax.tree.map(lambda x: x.astype(dtype), (base_state, memory))
-        saved = load(args.base, args.save_dtype).with_armt(cfg, jax.random.key(args.seed))
+        saved = (load(args.init, args.save_dtype) if args.init
+                 else load(args.base, args.save_dtype).with_armt(cfg, jax.random.key(args.seed)))
         load_into(saved.base.module, cast[0])
         load_into(saved.memory, cast[1])
         saved.save(args.save, overwrite=True)

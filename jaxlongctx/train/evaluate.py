@@ -89,23 +89,39 @@ def answer_inputs(ids: np.ndarray, answer_ids: np.ndarray) -> np.ndarray:
 
 
 def retrieval_accuracy(model: Callable[[np.ndarray], jnp.ndarray], length: int, samples: int, batch_size: int = 1,
-                       num_facts: int = 4) -> dict[str, float]:
+                       num_facts: int = 4, segment_size: int | None = None) -> dict[str, float | None]:
     """Greedy exact-match and per-digit accuracy on held-out haystack prompts of `length` tokens
-    (teacher-forced argmax: all digits right under teacher forcing == greedy decode right)."""
+    (teacher-forced argmax: all digits right under teacher forcing == greedy decode right).
+
+    With `segment_size` (ARMT), also split the samples: `in_segment_*` where the asked fact starts in
+    the segment of every position that predicts an answer digit (attention can see it), and
+    `from_memory_*` for the rest (some digit can only come through the memory); an empty split is None.
+    """
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
     tokenizer = load_default_tokenizer()
-    exact, digits, done = 0, 0, 0
+    hits, in_segment = [], []
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
         raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts)
         ids = answer_inputs(raw["ids"], raw["answer_ids"])
         logits = model(ids)  # B T V
         pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
-        hit = pred == raw["answer_ids"]
-        exact, digits, done = exact + int(hit.all(axis=1).sum()), digits + int(hit.sum()), done + b
-    return {"length": length, "samples": done, "exact_match": exact / done,
-            "digit_accuracy": digits / (done * CODE_DIGITS)}
+        hits.append(pred == raw["answer_ids"])
+        asked = raw["fact_positions"][np.arange(b), raw["target_fact"]]
+        if segment_size is not None:  # answer digits are predicted at positions length - 1 .. length + 2
+            last = (length - 1) // segment_size
+            in_segment.append((asked // segment_size == last) & ((length + CODE_DIGITS - 2) // segment_size == last))
+    hit = np.concatenate(hits)  # N CODE_DIGITS
+    out = {"length": length, "samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
+           "digit_accuracy": float(hit.mean())}
+    if segment_size is not None:
+        where = np.concatenate(in_segment)
+        for name, rows in (("in_segment", where), ("from_memory", ~where)):
+            out[f"{name}_samples"] = int(rows.sum())
+            out[f"{name}_exact_match"] = float(hit[rows].all(axis=1).mean()) if rows.any() else None
+            out[f"{name}_digit_accuracy"] = float(hit[rows].mean()) if rows.any() else None
+    return out
 
 
 # --- CLI: eval-ppl --------------------------------------------------------------------------------
