@@ -182,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
          "perplexity and a loss-curve PNG go to --out.",
          (add_train_lm_arguments,), "jaxlongctx.train.lm:run_train_lm"),
         ("train-armt", "fine-tune ARMT on the long-context retrieval task",
-         "Fine-tune ARMT memory (and optionally the base weights) through the diagonal schedule with a "
-         "curriculum over the number of segments.",
+         "Fine-tune the ARMT memory and the base weights (or the memory alone) through the diagonal schedule, "
+         "with a curriculum of stages (sample tokens, steps, batch size) from one segment to many; --init "
+         "continues from a saved ARMT model.",
          (add_train_armt_arguments,), "jaxlongctx.train.armt_finetune:run_train_armt"),
     ):
         cmd = sub.add_parser(name, help=help_text, description=description)
