@@ -113,7 +113,7 @@ def flat_logits(logits: jnp.ndarray, total_tokens: int) -> jnp.ndarray:
 def answer_logits(logits: jnp.ndarray, lengths: jnp.ndarray) -> jnp.ndarray:
     """Logits `[nS, B, S, V]` of samples of `lengths [B]` -> those predicting the answer digits
     `[B, CODE_DIGITS, V]` (the last CODE_DIGITS positions of each sample)."""
-    flat = jnp.swapaxes(logits, 0, 1).reshape(logits.shape[1], -1, logits.shape[-1])  # B nS*S V
+    flat = flat_logits(logits, logits.shape[0] * logits.shape[2])  # B nS*S V
     positions = lengths[:, None] - CODE_DIGITS + jnp.arange(CODE_DIGITS)[None]  # B 4
     return jnp.take_along_axis(flat, positions[..., None], axis=1)
 

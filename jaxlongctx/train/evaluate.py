@@ -100,6 +100,9 @@ def retrieval_accuracy(model: Callable[[np.ndarray], jnp.ndarray], length: int, 
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
     tokenizer = load_default_tokenizer()
+    if segment_size is not None:  # answer digits are predicted at positions length - 1 .. length + 2
+        last_segment = (length - 1) // segment_size
+        answer_in_one_segment = (length + CODE_DIGITS - 2) // segment_size == last_segment
     hits, in_segment = [], []
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
@@ -108,10 +111,9 @@ def retrieval_accuracy(model: Callable[[np.ndarray], jnp.ndarray], length: int, 
         logits = model(ids)  # B T V
         pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
         hits.append(pred == raw["answer_ids"])
-        asked = raw["fact_positions"][np.arange(b), raw["target_fact"]]
-        if segment_size is not None:  # answer digits are predicted at positions length - 1 .. length + 2
-            last = (length - 1) // segment_size
-            in_segment.append((asked // segment_size == last) & ((length + CODE_DIGITS - 2) // segment_size == last))
+        if segment_size is not None:
+            asked = raw["fact_positions"][np.arange(b), raw["target_fact"]]
+            in_segment.append((asked // segment_size == last_segment) & answer_in_one_segment)
     hit = np.concatenate(hits)  # N CODE_DIGITS
     out = {"length": length, "samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
            "digit_accuracy": float(hit.mean())}
