@@ -1,4 +1,4 @@
-"""The blocked causal prefill attention and the decode attention (cache + own key) equal plain masked
+"""The blocked (flash-style) causal prefill attention and the decode attention (cache + own key) equal plain masked
 attention over the whole sequence."""
 
 from __future__ import annotations
@@ -6,27 +6,52 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxlongctx.model.attention import PREFILL_CHUNK, attention, causal_prefill_attention, decode_attention
+from jaxlongctx.model.attention import PREFILL_KEY_BLOCK, PREFILL_QUERY_BLOCK, attention, causal_prefill_attention, decode_attention
 
 
-def test_blocked_prefill_equals_full_attention():
-    t = 2 * PREFILL_CHUNK + 37  # three blocks, the last one short
-    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(kq, (2, t, 4, 8))
+def _prefill_inputs(t: int, seed: int = 0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (2, t, 4, 8)) * 2.0  # large scores: the online softmax must rescale
     k = jax.random.normal(kk, (2, t, 2, 8))
     v = jax.random.normal(kv, (2, t, 2, 8))
     valid = np.ones((2, t), bool)
-    valid[1, :5] = False  # left padding
+    valid[1, :70] = False  # left padding longer than a key tile
     valid[1, -9:] = False  # and right padding
-    valid = jnp.asarray(valid)
+    return q, k, v, jnp.asarray(valid)
+
+
+@pytest.mark.parametrize("t, chunk, key_block", [
+    (2 * PREFILL_QUERY_BLOCK + 37, PREFILL_QUERY_BLOCK, PREFILL_KEY_BLOCK),  # the defaults, last block short
+    (200, 64, 32),  # key tiles smaller than query blocks
+    (200, 48, 64),  # block sizes that do not divide each other
+])
+def test_blocked_prefill_equals_full_attention(t, chunk, key_block):
+    q, k, v, valid = _prefill_inputs(t)
     slots = jnp.broadcast_to(jnp.arange(t), (2, t))
-    blocked = np.asarray(causal_prefill_attention(q, k, v, valid))
+    blocked = np.asarray(causal_prefill_attention(q, k, v, valid, chunk=chunk, key_block=key_block))
     full = np.asarray(attention(q, k, v, slots, valid))
-    # padding queries see no key at all; their (unused) output is a uniform average in both paths
+    # padding queries see no key at all; their (unused) output is an average of values in both paths
     seen = np.asarray(valid) & (np.cumsum(np.asarray(valid), axis=1) > 0)
     np.testing.assert_allclose(blocked[seen], full[seen], atol=1e-5)
     assert np.isfinite(blocked).all()
+
+
+def test_blocked_prefill_gradients_equal_full_attention():
+    t = 150
+    q, k, v, valid = _prefill_inputs(t, seed=3)
+    slots = jnp.broadcast_to(jnp.arange(t), (2, t))
+    weight = jax.random.normal(jax.random.key(9), (2, t, 4, 8)) * jnp.asarray(valid)[:, :, None, None]
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * weight)
+
+    blocked = jax.grad(loss(lambda q, k, v: causal_prefill_attention(q, k, v, valid, chunk=32, key_block=64)),
+                       argnums=(0, 1, 2))(q, k, v)
+    full = jax.grad(loss(lambda q, k, v: attention(q, k, v, slots, valid)), argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(blocked, full):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
 
 
 def test_decode_attention_equals_attention_over_the_written_cache():
