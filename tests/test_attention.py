@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlongctx.model.attention import PREFILL_KEY_BLOCK, PREFILL_QUERY_BLOCK, attention, causal_prefill_attention, decode_attention
+from jaxlongctx.model.attention import (PREFILL_KEY_BLOCK, PREFILL_QUERY_BLOCK, attention, causal_prefill_attention,
+                                        decode_attention)
 
 
 def _prefill_inputs(t: int, seed: int = 0):
