@@ -40,7 +40,7 @@ def main() -> None:
                 "full_attention_finetuned": full}
     else:
         full = [(512, 64), (1024, 32), (2048, 16), (4096, 8), (8192, 4)]
-        plan = {"armt": [(512, 64), (1024, 64), (2048, 64), (4096, 32), (8192, 16), (16384, 8), (32768, 8)],
+        plan = {"armt": [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 64), (16384, 32), (32768, 32)],
                 "full_attention": full, "full_attention_finetuned": full}
     models = {"armt": lambda ids: armt(ids, schedule="diagonal"), "full_attention": base,
               "full_attention_finetuned": armt.base}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -80,14 +78,14 @@ def causal_prefill_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, key
         return attention(q, k, v, jnp.broadcast_to(jnp.arange(t), (b, t)), key_valid)
     kv = k.shape[2]
     g = h // kv
-    step = math.lcm(chunk, key_block)
-    padded = -(-t // step) * step
-    pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
-    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    key_valid = jnp.pad(key_valid, ((0, 0), (0, padded - t)))
-    n_q, n_k = padded // chunk, padded // key_block
-    q_blocks = q.reshape(b, n_q, chunk, kv, g, hd).transpose(1, 0, 3, 2, 4, 5)  # Nq B K c G hd
-    keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # B K T hd
+    n_q, n_k = -(-t // chunk), -(-t // key_block)  # queries and keys padded apart: no tile is wasted on padding
+
+    def pad_to(x, length):
+        return jnp.pad(x, ((0, 0), (0, length - t)) + ((0, 0),) * (x.ndim - 2))
+
+    q_blocks = pad_to(q, n_q * chunk).reshape(b, n_q, chunk, kv, g, hd).transpose(1, 0, 3, 2, 4, 5)  # Nq B K c G hd
+    keys, values = (pad_to(x, n_k * key_block).transpose(0, 2, 1, 3) for x in (k, v))  # B K Tk hd
+    key_valid = pad_to(key_valid, n_k * key_block)
     scale = hd ** -0.5
 
     def query_block(_, xs):
@@ -118,4 +116,4 @@ def causal_prefill_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, key
         return None, (acc / total[..., None]).astype(q.dtype)
 
     _, out = jax.lax.scan(query_block, None, (jnp.arange(n_q), q_blocks))  # Nq B K c G hd
-    return out.transpose(1, 0, 3, 2, 4, 5).reshape(b, padded, h, hd)[:, :t]
+    return out.transpose(1, 0, 3, 2, 4, 5).reshape(b, n_q * chunk, h, hd)[:, :t]
