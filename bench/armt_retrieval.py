@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import plot_path, save_plot, subplots, write_result  # noqa: E402
+from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
 from jaxlongctx.data.haystack import CODE_DIGITS  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL  # noqa: E402
 from jaxlongctx.loading import load  # noqa: E402
@@ -54,8 +54,8 @@ def main() -> None:
             rows[name].append(r)
             print(name, r, flush=True)
     chance = {"exact_match": DIGIT_CHANCE ** CODE_DIGITS, "digit_accuracy": DIGIT_CHANCE}
-    write_result("armt_retrieval", {"armt_ckpt": args.armt_ckpt, "base": args.base, "num_facts": args.num_facts,
-                                    "quick": args.quick, "chance": chance, "results": rows,
+    write_result("armt_retrieval", {"armt_ckpt": repo_path(args.armt_ckpt), "base": repo_path(args.base),
+                                    "num_facts": args.num_facts, "quick": args.quick, "chance": chance, "results": rows,
                                     "plot": "armt_retrieval.png"})
     _plot(rows, chance)
 

@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import jax
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
 
 
 def environment() -> dict[str, Any]:
@@ -55,6 +56,12 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], *, repeats: int = 5) ->
     for name, ts in samples.items():
         out[name].update({"median_s": statistics.median(ts), "min_s": min(ts), "repeats": repeats})
     return out
+
+
+def repo_path(path: str | Path) -> str:
+    """`path` relative to the repository when it lies inside it (results stay machine-independent)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else str(path)
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:

@@ -12,7 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.common import plot_path, save_plot, subplots, write_result
+from bench.common import plot_path, repo_path, save_plot, subplots, write_result
 
 DEFAULT_CKPT = Path(__file__).resolve().parents[1] / "jaxlongctx" / "assets" / "base_model"
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows:
         row["ppl_vs_dense"] = row["ppl"] / dense
     payload = {
-        "config": {"ckpt": str(args.ckpt), "dtype": args.dtype, "context": args.context,
+        "config": {"ckpt": repo_path(args.ckpt), "dtype": args.dtype, "context": args.context,
                    "eval_tokens": rows[0]["tokens"], "calib_tokens": args.calib_tokens, "bits": args.bits,
                    "kmeans_iters": args.iters, "kivi_group": args.kivi_group, "quick": args.quick,
                    "model_config": model.config.to_dict(),
