@@ -44,7 +44,7 @@ def main() -> None:
     import transformers
 
     contexts = [1024, 4096] if args.quick else [1024, 4096, 16384]
-    repeats = 2 if args.quick else 3
+    repeats = 2 if args.quick else 5
     n = args.new_tokens
     model = jaxlongctx.Model.init(CONFIG, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
