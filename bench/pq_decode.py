@@ -18,12 +18,12 @@ import jax.numpy as jnp
 
 from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result
 from jaxlongctx.config import ModelConfig
+from jaxlongctx.demo import BASE_MODEL
 
 LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
                         num_kv_heads=32, head_dim=128)
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                         num_kv_heads=8, head_dim=128)
-BASE_MODEL = Path(__file__).resolve().parents[1] / "jaxlongctx" / "assets" / "base_model"
 SMALL = ModelConfig(vocab_size=4096, hidden_size=192, intermediate_size=512, num_layers=4, num_heads=6,
                     num_kv_heads=2, head_dim=32)  # the shipped model's shape, if its files are absent
 

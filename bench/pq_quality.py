@@ -13,14 +13,13 @@ import time
 from pathlib import Path
 
 from bench.common import plot_path, repo_path, save_plot, subplots, write_result
-
-DEFAULT_CKPT = Path(__file__).resolve().parents[1] / "jaxlongctx" / "assets" / "base_model"
+from jaxlongctx.demo import BASE_MODEL
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the table and write the result files."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", default=str(DEFAULT_CKPT), help="model to evaluate (default: the shipped base model)")
+    p.add_argument("--ckpt", default=str(BASE_MODEL), help="model to evaluate (default: the shipped base model)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32", help="evaluation dtype (default fp32)")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--eval-tokens", type=int, default=None, help="validation tokens used (default: all)")

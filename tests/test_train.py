@@ -17,6 +17,7 @@ import pytest
 
 from jaxlongctx.data.haystack import CODE_DIGITS
 from jaxlongctx.data.tokenizer import BOS_ID, encode_corpus, load_default_tokenizer
+from jaxlongctx.demo import BASE_MODEL
 from jaxlongctx.model.llama import forward
 from jaxlongctx.model.model import Model
 from jaxlongctx.train.armt_finetune import (Stage, add_train_armt_arguments, answer_logits, haystack_batch,
@@ -26,7 +27,6 @@ from jaxlongctx.train.evaluate import forward_with_kv_transform, unigram_baselin
 from jaxlongctx.train.lm import QUICK_CONFIG, add_train_lm_arguments, run_train_lm
 from jaxlongctx.train.optim import OptimConfig, learning_rate
 
-BASE_MODEL = Path(__file__).resolve().parent.parent / "jaxlongctx" / "assets" / "base_model"
 
 
 def test_token_windows_are_a_pure_function_of_seed_and_step():
