@@ -6,7 +6,8 @@ Held-out samples (evaluation seeds), one fact per haystack as in the shipped ARM
 exact match and per-digit accuracy of the 4-digit answer (teacher-forced argmax, equivalent to
 greedy decoding being right), with the chance levels. Full attention runs twice: the pretrained
 base model, and the ARMT model's own fine-tuned weights without the memory. ARMT rows also split
-the samples by whether the answer needed the memory. Writes bench/results/armt_retrieval.{json,png}.
+the samples by whether the answer needed the memory, and by how deep in the prompt the fact lies
+(a third panel plots ARMT's exact match against that depth). Writes bench/results/armt_retrieval.{json,png}.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -40,7 +43,7 @@ def main() -> None:
                 "full_attention_finetuned": full}
     else:
         full = [(512, 64), (1024, 32), (2048, 16), (4096, 8), (8192, 4)]
-        plan = {"armt": [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 64), (16384, 32), (32768, 32)],
+        plan = {"armt": [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 128), (16384, 32), (32768, 32)],
                 "full_attention": full, "full_attention_finetuned": full}
     models = {"armt": lambda ids: armt(ids, schedule="diagonal"), "full_attention": base,
               "full_attention_finetuned": armt.base}
@@ -61,7 +64,7 @@ def main() -> None:
 
 
 def _plot(rows: dict[str, list[dict]], chance: dict[str, float]) -> None:
-    fig, axes = subplots(1, 2, figsize=(11, 4))
+    fig, axes = subplots(1, 3, figsize=(16, 4))
     for ax, metric in zip(axes, ("exact_match", "digit_accuracy")):
         for name, rs in rows.items():
             ax.plot([r["length"] for r in rs], [r[metric] for r in rs], "o-", label=name)
@@ -72,6 +75,16 @@ def _plot(rows: dict[str, list[dict]], chance: dict[str, float]) -> None:
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    ax = axes[2]  # where ARMT loses the fact: exact match by the fact's depth in the prompt
+    for r in rows["armt"]:
+        mids = [sum(d["depth"]) / 2 for d in r["by_depth"]]
+        ax.plot(mids, [np.nan if d["exact_match"] is None else d["exact_match"] for d in r["by_depth"]], "o-",
+                label=f"{r['length']:,} tokens")
+    ax.set_xlabel("depth of the fact in the prompt (0 = start, 1 = next to the question)")
+    ax.set_ylabel("ARMT exact_match")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.suptitle("haystack retrieval: ARMT (diagonal schedule) vs full attention")
     save_plot(fig, plot_path("armt_retrieval"), dpi=110)
 

@@ -128,6 +128,12 @@ def test_armt_curriculum_and_answer_positions():
     assert (one_segment["lengths"] > 64).all()  # no whole-segment prompt fits: ends stay random
     with pytest.raises(ValueError, match="boundary_fraction"):
         haystack_batch(0, 1, 256, load_default_tokenizer(), 128, num_facts=1, boundary_fraction=1.5)
+    far = haystack_batch(0, 8, 1024, load_default_tokenizer(), 128, num_facts=1, far_fraction=1.0)
+    for ids, answer, n in zip(far["ids"], far["answer_ids"], far["lengths"]):  # the fact's code comes early
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:n], CODE_DIGITS)
+        assert np.flatnonzero((windows == answer).all(axis=1))[0] < n / 4
+    with pytest.raises(ValueError, match="far_fraction"):
+        haystack_batch(0, 1, 256, load_default_tokenizer(), 128, num_facts=1, far_fraction=-0.1)
 
     short = haystack_batch(0, 2, 64, load_default_tokenizer(), 128, num_facts=1)  # one padded segment
     assert short["seg_ids"].shape == (1, 2, 128) and short["ids"].shape == (2, 64)
@@ -207,14 +213,17 @@ def test_eval_ppl_of_shipped_model_beats_unigram():
         run_eval_ppl(parser.parse_args(["--ckpt", str(BASE_MODEL), "--context", "0"]))
 
 
-def _ngram_copy_logits(ids: np.ndarray, window: int | None, vocab: int = 4096, n: int = 3) -> np.ndarray:
+def _ngram_copy_logits(ids: np.ndarray, window: int | None, vocab: int = 4096, n: int = 3,
+                       lookback: int | None = None) -> np.ndarray:
     """An exact in-context copier: at each position, predict the token that followed the last earlier
-    occurrence of the current n-gram, looking back only within the position's `window`-token segment."""
+    occurrence of the current n-gram, looking back only within the position's `window`-token segment
+    and at most `lookback` tokens."""
     b, t = ids.shape
     logits = np.zeros((b, t, vocab), np.float32)
     for row in range(b):
         for pos in range(n - 1, t):
             start = 0 if window is None else pos // window * window
+            start = start if lookback is None else max(start, pos - lookback)
             key = tuple(ids[row, pos - n + 1:pos + 1])
             for j in range(pos - 1, max(start, n - 1) - 1, -1):
                 if tuple(ids[row, j - n + 1:j + 1]) == key:
@@ -238,3 +247,18 @@ def test_retrieval_accuracy_splits_attention_from_memory():
     straddling = score(128, 384, segment_size=128)  # digits 2-4 are predicted in a new segment
     assert straddling["in_segment_samples"] == 0 and straddling["from_memory_exact_match"] == 0.0
     assert "in_segment_samples" not in score(None, 380, samples=1)
+
+
+def test_retrieval_accuracy_by_fact_depth():
+    from jaxlongctx.train.evaluate import retrieval_accuracy
+
+    # A copier that sees 128 tokens back finds facts in the prompt's last quarter, never in its first half.
+    out = retrieval_accuracy(lambda ids: _ngram_copy_logits(ids, None, lookback=128), 512, 16, batch_size=4,
+                             num_facts=1)
+    depth = out["by_depth"]
+    assert [d["depth"] for d in depth] == [[0.0, 0.25], [0.25, 0.5], [0.5, 0.75], [0.75, 1.0]]
+    assert sum(d["samples"] for d in depth) == 16
+    assert depth[0]["samples"] and depth[3]["samples"]  # these eval seeds fill both ends
+    assert depth[0]["exact_match"] == 0.0 and depth[3]["exact_match"] == 1.0
+    assert depth[1]["exact_match"] in (None, 0.0)
+    assert out["exact_match"] == sum(d["samples"] * (d["exact_match"] or 0) for d in depth) / 16

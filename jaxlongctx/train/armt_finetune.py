@@ -65,7 +65,7 @@ def stage_per_step(stages: list[Stage]) -> list[Stage]:
 
 
 def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, segment_size: int,
-                   num_facts: int, boundary_fraction: float = 0.0) -> dict[str, np.ndarray]:
+                   num_facts: int, boundary_fraction: float = 0.0, far_fraction: float = 0.0) -> dict[str, np.ndarray]:
     """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
     the answer digits `[B, 4]`, with `T = total_tokens`.
 
@@ -74,10 +74,13 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     boundaries in every way they can when a user's prompt is cut into segments. In addition, about
     `boundary_fraction` of the samples (where T spans 2 segments or more) have a prompt of whole
     segments: the answer's later digits are then predicted in a new segment that holds no question,
-    only the memory, as when a prompt of 16K tokens is answered.
+    only the memory, as when a prompt of 16K tokens is answered. About `far_fraction` of the samples
+    put the asked fact in the first fifth of the filler, so that the memory must carry it across
+    nearly every segment of the sample (otherwise its depth is uniform).
     """
-    if not 0.0 <= boundary_fraction <= 1.0:
-        raise ValueError(f"boundary_fraction must be in [0, 1], got {boundary_fraction}")
+    for name, value in (("boundary_fraction", boundary_fraction), ("far_fraction", far_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
     rng = np.random.default_rng([seed, 1])
     shortest = max(total_tokens - segment_size + 1, total_tokens // 2 + 1)
     whole_segments = (total_tokens - CODE_DIGITS + 1) // segment_size * segment_size  # longest such prompt (or 0)
@@ -88,10 +91,11 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
         length = int(rng.integers(shortest, total_tokens + 1))
         if boundary_fraction and whole_segments > 0 and rng.random() < boundary_fraction:
             length = whole_segments + CODE_DIGITS - 1
+        depth = float(rng.uniform(0.0, 0.2)) if far_fraction and rng.random() < far_fraction else None
         for _ in range(total_tokens):  # too short for the facts and question: take a longer one
             try:
                 sample = make_sample(np.random.default_rng([seed, i]), length - (CODE_DIGITS - 1), tokenizer,
-                                     num_facts=num_facts)
+                                     num_facts=num_facts, target_depth=depth)
                 break
             except ValueError:
                 if length == total_tokens:
@@ -137,7 +141,7 @@ def retrieval_loss(logits: jnp.ndarray, ids: jnp.ndarray, lengths: jnp.ndarray, 
 
 def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, stages: list[Stage],
                  num_facts: int = 1, lm_weight: float = 1.0, freeze_base: bool = False, seed: int = 0,
-                 boundary_fraction: float = 0.25) -> Trainer:
+                 boundary_fraction: float = 0.25, far_fraction: float = 0.0) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
     params, and the base weights unless `freeze_base`)."""
     tokenizer = load_default_tokenizer()
@@ -150,7 +154,7 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, st
     def batch_fn(step: int) -> dict[str, np.ndarray]:
         stage = per_step[step]
         return haystack_batch(train_seed(seed * 1_000_000 + step), stage.batch_size, stage.tokens, tokenizer, s,
-                              num_facts, boundary_fraction)
+                              num_facts, boundary_fraction, far_fraction)
 
     def loss_fn(params, frozen, batch):
         full = (frozen, params) if freeze_base else params
@@ -183,6 +187,9 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--boundary-fraction", type=float, default=0.25,
                         help="share of samples whose prompt is whole segments, so that the answer starts a new "
                              "segment (default 0.25)")
+    parser.add_argument("--far-fraction", type=float, default=0.0,
+                        help="share of samples whose asked fact lies in the first fifth of the filler, so the memory "
+                             "must keep it across almost the whole sample (default 0: uniform depth)")
     parser.add_argument("--lm-weight", type=float, default=1.0,
                         help="weight of the next-token loss over the whole sample, added to the answer loss")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -229,7 +236,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     optim = OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=steps, weight_decay=0.0)
     tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress)
     trainer = armt_trainer(armt, optim, tcfg, stages, args.num_facts, args.lm_weight, args.freeze_base, args.seed,
-                           args.boundary_fraction)
+                           args.boundary_fraction, args.far_fraction)
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
     trainer.run()
@@ -241,7 +248,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "init": args.init, "base": args.base, "armt_config": cfg.to_dict(), "optim": dataclasses.asdict(optim),
         "steps": steps,
         "curriculum": [dataclasses.asdict(stage) for stage in stages], "lm_weight": args.lm_weight,
-        "boundary_fraction": args.boundary_fraction,
+        "boundary_fraction": args.boundary_fraction, "far_fraction": args.far_fraction,
         "freeze_base": args.freeze_base, "num_facts": args.num_facts, "resumed": resumed,
         "train_wall_s": trainer.history["wall_s"][-1], "this_session_wall_s": time.perf_counter() - t0,
         "final_loss": trainer.history["loss"][-1],

@@ -96,6 +96,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray], jnp.ndarray], length: int, 
     With `segment_size` (ARMT), also split the samples: `in_segment_*` where the asked fact starts in
     the segment of every position that predicts an answer digit (attention can see it), and
     `from_memory_*` for the rest (some digit can only come through the memory); an empty split is None.
+    `by_depth` splits the samples by the asked fact's relative position in the prompt, in quarters
+    (depth 0 = the first token, far from the question).
     """
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
@@ -103,7 +105,7 @@ def retrieval_accuracy(model: Callable[[np.ndarray], jnp.ndarray], length: int, 
     if segment_size is not None:  # answer digits are predicted at positions length - 1 .. length + 2
         last_segment = (length - 1) // segment_size
         answer_in_one_segment = (length + CODE_DIGITS - 2) // segment_size == last_segment
-    hits, in_segment = [], []
+    hits, in_segment, depths = [], [], []
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
         raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts)
@@ -111,18 +113,32 @@ def retrieval_accuracy(model: Callable[[np.ndarray], jnp.ndarray], length: int, 
         logits = model(ids)  # B T V
         pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
         hits.append(pred == raw["answer_ids"])
+        depths.append(raw["fact_positions"][np.arange(b), raw["target_fact"]] / length)
         if segment_size is not None:
             asked = raw["fact_positions"][np.arange(b), raw["target_fact"]]
             in_segment.append((asked // segment_size == last_segment) & answer_in_one_segment)
     hit = np.concatenate(hits)  # N CODE_DIGITS
     out = {"length": length, "samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
-           "digit_accuracy": float(hit.mean())}
+           "digit_accuracy": float(hit.mean()), "by_depth": _by_depth(hit, np.concatenate(depths))}
     if segment_size is not None:
         where = np.concatenate(in_segment)
         for name, rows in (("in_segment", where), ("from_memory", ~where)):
             out[f"{name}_samples"] = int(rows.sum())
             out[f"{name}_exact_match"] = float(hit[rows].all(axis=1).mean()) if rows.any() else None
             out[f"{name}_digit_accuracy"] = float(hit[rows].mean()) if rows.any() else None
+    return out
+
+
+def _by_depth(hit: np.ndarray, depth: np.ndarray, parts: int = 4) -> list[dict[str, Any]]:
+    """Exact-match and per-digit accuracy of the samples whose fact depth falls in each of `parts` equal
+    ranges of [0, 1] (hit `[N, CODE_DIGITS]`, depth `[N]`); None where a range holds no sample."""
+    bucket = np.minimum((depth * parts).astype(int), parts - 1)
+    out = []
+    for k in range(parts):
+        rows = bucket == k
+        out.append({"depth": [k / parts, (k + 1) / parts], "samples": int(rows.sum()),
+                    "exact_match": float(hit[rows].all(axis=1).mean()) if rows.any() else None,
+                    "digit_accuracy": float(hit[rows].mean()) if rows.any() else None})
     return out
 
 
