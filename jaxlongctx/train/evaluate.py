@@ -105,7 +105,7 @@ def retrieval_accuracy(model: Callable[[np.ndarray], jnp.ndarray], length: int, 
     if segment_size is not None:  # answer digits are predicted at positions length - 1 .. length + 2
         last_segment = (length - 1) // segment_size
         answer_in_one_segment = (length + CODE_DIGITS - 2) // segment_size == last_segment
-    hits, in_segment, depths = [], [], []
+    hits, asked = [], []
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
         raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts)
@@ -113,33 +113,28 @@ def retrieval_accuracy(model: Callable[[np.ndarray], jnp.ndarray], length: int, 
         logits = model(ids)  # B T V
         pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
         hits.append(pred == raw["answer_ids"])
-        depths.append(raw["fact_positions"][np.arange(b), raw["target_fact"]] / length)
-        if segment_size is not None:
-            asked = raw["fact_positions"][np.arange(b), raw["target_fact"]]
-            in_segment.append((asked // segment_size == last_segment) & answer_in_one_segment)
-    hit = np.concatenate(hits)  # N CODE_DIGITS
+        asked.append(raw["fact_positions"][np.arange(b), raw["target_fact"]])
+    hit, fact_at = np.concatenate(hits), np.concatenate(asked)  # N CODE_DIGITS, N
     out = {"length": length, "samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
-           "digit_accuracy": float(hit.mean()), "by_depth": _by_depth(hit, np.concatenate(depths))}
+           "digit_accuracy": float(hit.mean()), "by_depth": _by_depth(hit, fact_at / length)}
     if segment_size is not None:
-        where = np.concatenate(in_segment)
+        where = (fact_at // segment_size == last_segment) & answer_in_one_segment
         for name, rows in (("in_segment", where), ("from_memory", ~where)):
-            out[f"{name}_samples"] = int(rows.sum())
-            out[f"{name}_exact_match"] = float(hit[rows].all(axis=1).mean()) if rows.any() else None
-            out[f"{name}_digit_accuracy"] = float(hit[rows].mean()) if rows.any() else None
+            out.update({f"{name}_{key}": value for key, value in _scores(hit[rows]).items()})
     return out
+
+
+def _scores(hit: np.ndarray) -> dict[str, Any]:
+    """Sample count, exact-match and per-digit accuracy of `hit [N, CODE_DIGITS]`; None when N is 0."""
+    return {"samples": len(hit), "exact_match": float(hit.all(axis=1).mean()) if len(hit) else None,
+            "digit_accuracy": float(hit.mean()) if len(hit) else None}
 
 
 def _by_depth(hit: np.ndarray, depth: np.ndarray, parts: int = 4) -> list[dict[str, Any]]:
-    """Exact-match and per-digit accuracy of the samples whose fact depth falls in each of `parts` equal
-    ranges of [0, 1] (hit `[N, CODE_DIGITS]`, depth `[N]`); None where a range holds no sample."""
+    """`_scores` of the samples whose fact depth falls in each of `parts` equal ranges of [0, 1]
+    (hit `[N, CODE_DIGITS]`, depth `[N]`)."""
     bucket = np.minimum((depth * parts).astype(int), parts - 1)
-    out = []
-    for k in range(parts):
-        rows = bucket == k
-        out.append({"depth": [k / parts, (k + 1) / parts], "samples": int(rows.sum()),
-                    "exact_match": float(hit[rows].all(axis=1).mean()) if rows.any() else None,
-                    "digit_accuracy": float(hit[rows].mean()) if rows.any() else None})
-    return out
+    return [{"depth": [k / parts, (k + 1) / parts], **_scores(hit[bucket == k])} for k in range(parts)]
 
 
 # --- CLI: eval-ppl --------------------------------------------------------------------------------
