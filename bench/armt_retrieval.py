@@ -1,13 +1,15 @@
 """Haystack retrieval accuracy vs context length: ARMT (diagonal schedule) vs full attention.
 
-    python bench/armt_retrieval.py [--quick] [--armt-ckpt DIR] [--base DIR]
+    python bench/armt_retrieval.py [--quick] [--armt-ckpt DIR] [--base DIR] [--num-facts 1,4]
 
-Held-out samples (evaluation seeds), one fact per haystack as in the shipped ARMT's training;
-exact match and per-digit accuracy of the 4-digit answer (teacher-forced argmax, equivalent to
-greedy decoding being right), with the chance levels. Full attention runs twice: the pretrained
-base model, and the ARMT model's own fine-tuned weights without the memory. ARMT rows also split
-the samples by whether the answer needed the memory, and by how deep in the prompt the fact lies
-(a third panel plots ARMT's exact match against that depth). Writes bench/results/armt_retrieval.{json,png}.
+Held-out samples (evaluation seeds); exact match and per-digit accuracy of the 4-digit answer
+(teacher-forced argmax, equivalent to greedy decoding being right), with the chance levels. ARMT
+runs once per fact count (row `armt_{n}_facts`): with one fact the memory only has to keep a code,
+with several it must keep which code belongs to which subject and answer the asked one. Full
+attention runs on the largest count, twice: the pretrained base model, and the ARMT model's own
+fine-tuned weights without the memory. ARMT rows also split the samples by whether the answer
+needed the memory, and by how deep in the prompt the asked fact lies (a third panel plots exact
+match against that depth for the largest count). Writes bench/results/armt_retrieval.{json,png}.
 """
 
 from __future__ import annotations
@@ -34,36 +36,39 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="lengths 512..4K, 8 samples each")
     p.add_argument("--armt-ckpt", default=str(ARMT_MODEL))
     p.add_argument("--base", default=str(BASE_MODEL))
-    p.add_argument("--num-facts", type=int, default=1)
+    p.add_argument("--num-facts", default="1,4", help="comma-separated fact counts for ARMT (default 1,4)")
     args = p.parse_args()
+    counts = sorted({int(n) for n in args.num_facts.split(",")})
+    most = counts[-1]
     armt, base = load(args.armt_ckpt, "fp32"), load(args.base, "fp32")
     if args.quick:
         full = [(n, 8) for n in (512, 2048)]
-        plan = {"armt": [(n, 8) for n in (512, 1024, 2048, 4096)], "full_attention": full,
-                "full_attention_finetuned": full}
+        armt_plan = [(n, 8) for n in (512, 1024, 2048, 4096)]
     else:
         full = [(512, 64), (1024, 32), (2048, 16), (4096, 8), (8192, 4)]
-        plan = {"armt": [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 128), (16384, 32), (32768, 32)],
-                "full_attention": full, "full_attention_finetuned": full}
-    models = {"armt": lambda ids: armt(ids, schedule="diagonal"), "full_attention": base,
-              "full_attention_finetuned": armt.base}
-    rows: dict[str, list[dict]] = {name: [] for name in plan}
-    for name, sizes in plan.items():
+        armt_plan = [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 128), (16384, 32), (32768, 32)]
+    runs = {f"armt_{n}_facts": (n, armt_plan) for n in counts}  # row -> (facts, [(length, samples)])
+    runs.update({"full_attention": (most, full), "full_attention_finetuned": (most, full)})
+    models = {**{name: lambda ids: armt(ids, schedule="diagonal") for name in runs if name.startswith("armt")},
+              "full_attention": base, "full_attention_finetuned": armt.base}
+    rows: dict[str, list[dict]] = {name: [] for name in runs}
+    for name, (facts, sizes) in runs.items():
         for length, samples in sizes:
             t0 = time.perf_counter()
-            segment_size = armt.armt.segment_size if name == "armt" else None
-            r = retrieval_accuracy(models[name], length, samples, num_facts=args.num_facts, segment_size=segment_size)
+            segment_size = armt.armt.segment_size if name.startswith("armt") else None
+            r = retrieval_accuracy(models[name], length, samples, num_facts=facts, segment_size=segment_size)
             r["wall_s"] = time.perf_counter() - t0
             rows[name].append(r)
             print(name, r, flush=True)
     chance = {"exact_match": DIGIT_CHANCE ** CODE_DIGITS, "digit_accuracy": DIGIT_CHANCE}
     write_result("armt_retrieval", {"armt_ckpt": repo_path(args.armt_ckpt), "base": repo_path(args.base),
-                                    "num_facts": args.num_facts, "quick": args.quick, "chance": chance, "results": rows,
+                                    "num_facts": {name: facts for name, (facts, _) in runs.items()},
+                                    "quick": args.quick, "chance": chance, "results": rows,
                                     "plot": "armt_retrieval.png"})
-    _plot(rows, chance)
+    _plot(rows, chance, f"armt_{most}_facts")
 
 
-def _plot(rows: dict[str, list[dict]], chance: dict[str, float]) -> None:
+def _plot(rows: dict[str, list[dict]], chance: dict[str, float], depth_row: str) -> None:
     fig, axes = subplots(1, 3, figsize=(16, 4))
     for ax, metric in zip(axes, ("exact_match", "digit_accuracy")):
         for name, rs in rows.items():
@@ -75,13 +80,13 @@ def _plot(rows: dict[str, list[dict]], chance: dict[str, float]) -> None:
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    ax = axes[2]  # where ARMT loses the fact: exact match by the fact's depth in the prompt
-    for r in rows["armt"]:
+    ax = axes[2]  # where ARMT loses the fact: exact match by the asked fact's depth in the prompt
+    for r in rows[depth_row]:
         mids = [sum(d["depth"]) / 2 for d in r["by_depth"]]
         ax.plot(mids, [np.nan if d["exact_match"] is None else d["exact_match"] for d in r["by_depth"]], "o-",
                 label=f"{r['length']:,} tokens")
     ax.set_xlabel("depth of the fact in the prompt (0 = start, 1 = next to the question)")
-    ax.set_ylabel("ARMT exact_match")
+    ax.set_ylabel(f"{depth_row} exact_match")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

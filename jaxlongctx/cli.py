@@ -34,11 +34,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from jaxlongctx.kvcache.calibrate import load_codebooks_for
 
         codebooks = load_codebooks_for(base, args.codebooks)
-    for name in ("context", "samples", "prompt_tokens", "new_tokens"):
+    for name in ("context", "samples", "facts", "prompt_tokens", "new_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     result = run_demo(base=base, armt=armt, codebooks=codebooks, context=args.context, samples=args.samples,
-                      prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+                      facts=args.facts, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     if args.json:
         print(json.dumps(result))
     return 0
@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default fp32)")
     d.add_argument("--context", type=int, default=16384, help="haystack length in tokens (default 16384)")
     d.add_argument("--samples", type=int, default=4, help="haystack samples for the accuracy (default 4)")
+    d.add_argument("--facts", type=int, default=4,
+                   help="facts per haystack; the question asks for one of them (default 4)")
     d.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length for decoding (default 8192)")
     d.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     d.add_argument("--json", action="store_true", help="also print the measurements as one JSON line")

@@ -1,8 +1,9 @@
 """`jaxlongctx demo`: the library's long-context story on the embedded default models.
 
 With no arguments it uses the shipped models (trained here on the built-in corpus):
-1. builds a fresh haystack of `--context` tokens (16K by default) and answers its question with
-   ARMT on the diagonal schedule; accuracy over a handful of held-out samples;
+1. builds a fresh haystack of `--context` tokens (16K by default) with `--facts` facts (4 by
+   default) and answers its question with ARMT on the diagonal schedule; accuracy over a handful
+   of held-out samples;
 2. times one forward over the haystack with ARMT (diagonal and sequential) and full attention;
 3. prefills a long prompt (>= 8K tokens) into the full-attention model and decodes greedily with
    the dense and the PQ (MILLION) KV cache: tokens/s, peak memory, generated ids;
@@ -44,12 +45,13 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def retrieval(armt: Any, context: int, samples: int, echo: Callable[[str], None]) -> dict[str, Any]:
-    """Answer `samples` held-out haystack questions of `context` tokens with ARMT (diagonal schedule)."""
+def retrieval(armt: Any, context: int, samples: int, echo: Callable[[str], None], facts: int = 4) -> dict[str, Any]:
+    """Answer `samples` held-out haystack questions of `context` tokens, `facts` facts each, with ARMT
+    (diagonal schedule)."""
     tok = armt.tokenizer
     rows = []
     for i in range(samples):
-        s = make_sample(eval_seed(i), context, tok, num_facts=1)
+        s = make_sample(eval_seed(i), context, tok, num_facts=facts)
         out, secs = _timed(lambda: generate(armt, s.ids[None], CODE_DIGITS, eos_id=-1))  # exactly 4 tokens
         pred = out[0, context:]
         hit = pred == s.answer_ids
@@ -64,7 +66,7 @@ def retrieval(armt: Any, context: int, samples: int, echo: Callable[[str], None]
     digits = sum(r["digits"] for r in rows) / (samples * CODE_DIGITS)
     echo(f"  accuracy over {samples} samples: exact {exact:.0%} (chance {10.0 ** -CODE_DIGITS:.2%}), "
          f"per digit {digits:.0%} (chance 10%)")
-    return {"exact_match": exact, "digit_accuracy": digits, "samples": samples}
+    return {"exact_match": exact, "digit_accuracy": digits, "samples": samples, "facts": facts}
 
 
 def schedule_times(armt: Any, base: Any, context: int, echo: Callable[[str], None]) -> dict[str, float]:
@@ -100,7 +102,7 @@ def decode_speed(base: Any, prompt_tokens: int, new_tokens: int, echo: Callable[
 
 
 def run_demo(*, base: Any = None, armt: Any = None, codebooks: Any = None, context: int = 16384,
-             samples: int = 4, prompt_tokens: int = 8192, new_tokens: int = 32,
+             samples: int = 4, facts: int = 4, prompt_tokens: int = 8192, new_tokens: int = 32,
              echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the four demo parts (see module docstring); prints and returns the measurements."""
     from jaxlongctx.armt import ARMTModel
@@ -121,8 +123,8 @@ def run_demo(*, base: Any = None, armt: Any = None, codebooks: Any = None, conte
          f"{a.num_mem_tokens} memory tokens, d_mem {a.d_mem}; backend {jax.default_backend()}")
     result: dict[str, Any] = {"context": context}
 
-    echo(f"\n[1] haystack retrieval at {context:,} tokens (ARMT, diagonal schedule)")
-    result["retrieval"] = retrieval(armt, context, samples, echo)
+    echo(f"\n[1] haystack retrieval at {context:,} tokens, {facts} facts (ARMT, diagonal schedule)")
+    result["retrieval"] = retrieval(armt, context, samples, echo, facts)
 
     echo(f"\n[2] one forward over {context:,} tokens")
     result["seconds"] = schedule_times(armt, base, context, echo)

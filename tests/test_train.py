@@ -21,7 +21,8 @@ from jaxlongctx.demo import BASE_MODEL
 from jaxlongctx.model.llama import forward
 from jaxlongctx.model.model import Model
 from jaxlongctx.train.armt_finetune import (Stage, add_train_armt_arguments, answer_logits, haystack_batch,
-                                            parse_curriculum, retrieval_loss, run_train_armt, stage_per_step)
+                                            parse_curriculum, parse_fact_range, retrieval_loss, run_train_armt,
+                                            stage_per_step)
 from jaxlongctx.train.data import TokenWindows, eval_windows
 from jaxlongctx.train.evaluate import forward_with_kv_transform, unigram_baseline
 from jaxlongctx.train.lm import QUICK_CONFIG, add_train_lm_arguments, run_train_lm
@@ -135,6 +136,19 @@ def test_armt_curriculum_and_answer_positions():
     with pytest.raises(ValueError, match="far_fraction"):
         haystack_batch(0, 1, 256, load_default_tokenizer(), 128, num_facts=1, far_fraction=-0.1)
 
+    tok = load_default_tokenizer()  # a fact range: each sample draws its own count of facts
+    mixed = haystack_batch(0, 24, 512, tok, 128, num_facts=(1, 4))
+    prefix = np.asarray(tok.encode(" The code of the", add_special_tokens=False).ids)
+    counts = {int((np.lib.stride_tricks.sliding_window_view(ids[:n], prefix.size) == prefix).all(axis=1).sum()) - 1
+              for ids, n in zip(mixed["ids"], mixed["lengths"])}  # minus the question's own phrase
+    assert counts == {1, 2, 3, 4}
+    assert parse_fact_range("3") == (3, 3) and parse_fact_range("1-4") == (1, 4)
+    for bad in ("0", "4-2", "x", "1-2-3"):
+        with pytest.raises(ValueError, match="num-facts"):
+            parse_fact_range(bad)
+    with pytest.raises(ValueError, match="num_facts"):
+        haystack_batch(0, 1, 256, tok, 128, num_facts=(2, 1))
+
     short = haystack_batch(0, 2, 64, load_default_tokenizer(), 128, num_facts=1)  # one padded segment
     assert short["seg_ids"].shape == (1, 2, 128) and short["ids"].shape == (2, 64)
     n = short["lengths"]
@@ -159,9 +173,10 @@ def test_train_armt_runs_its_curriculum_and_saves_a_loadable_model(tmp_path):
     add_train_armt_arguments(parser)
     args = ["--base", str(BASE_MODEL), "--out", str(tmp_path / "run"), "--save", str(tmp_path / "armt"),
             "--curriculum", "64:2:2,256:2:2", "--ckpt-every", "2", "--eval-lengths", "256", "--eval-samples", "2",
-            "--no-progress"]
+            "--num-facts", "1-2", "--no-progress"]
     summary = run_train_armt(parser.parse_args(args))
     assert summary["steps"] == 4 and [st["tokens"] for st in summary["curriculum"]] == [64, 256]
+    assert summary["num_facts"] == [1, 2]
     assert np.isfinite(summary["final_loss"]) and summary["accuracy"][0]["samples"] == 2
     history = json.loads((tmp_path / "run/checkpoints/step_00000004/trainer.json").read_text())["history"]
     assert len(history["loss"]) == 4

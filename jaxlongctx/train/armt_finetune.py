@@ -65,7 +65,8 @@ def stage_per_step(stages: list[Stage]) -> list[Stage]:
 
 
 def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, segment_size: int,
-                   num_facts: int, boundary_fraction: float = 0.0, far_fraction: float = 0.0) -> dict[str, np.ndarray]:
+                   num_facts: int | tuple[int, int], boundary_fraction: float = 0.0,
+                   far_fraction: float = 0.0) -> dict[str, np.ndarray]:
     """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
     the answer digits `[B, 4]`, with `T = total_tokens`.
 
@@ -76,8 +77,12 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     segments: the answer's later digits are then predicted in a new segment that holds no question,
     only the memory, as when a prompt of 16K tokens is answered. About `far_fraction` of the samples
     put the asked fact in the first fifth of the filler, so that the memory must carry it across
-    nearly every segment of the sample (otherwise its depth is uniform).
+    nearly every segment of the sample (otherwise its depth is uniform). `num_facts` is a count, or a
+    range `(lo, hi)` from which each sample draws its own count uniformly.
     """
+    lo, hi = (num_facts, num_facts) if isinstance(num_facts, int) else num_facts
+    if not 1 <= lo <= hi:
+        raise ValueError(f"num_facts must be >= 1 (a range lo <= hi), got {num_facts}")
     for name, value in (("boundary_fraction", boundary_fraction), ("far_fraction", far_fraction)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
@@ -92,10 +97,11 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
         if boundary_fraction and whole_segments > 0 and rng.random() < boundary_fraction:
             length = whole_segments + CODE_DIGITS - 1
         depth = float(rng.uniform(0.0, 0.2)) if far_fraction and rng.random() < far_fraction else None
+        facts = lo if lo == hi else int(rng.integers(lo, hi + 1))
         for _ in range(total_tokens):  # too short for the facts and question: take a longer one
             try:
                 sample = make_sample(np.random.default_rng([seed, i]), length - (CODE_DIGITS - 1), tokenizer,
-                                     num_facts=num_facts, target_depth=depth)
+                                     num_facts=facts, target_depth=depth)
                 break
             except ValueError:
                 if length == total_tokens:
@@ -140,7 +146,7 @@ def retrieval_loss(logits: jnp.ndarray, ids: jnp.ndarray, lengths: jnp.ndarray, 
 
 
 def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, stages: list[Stage],
-                 num_facts: int = 1, lm_weight: float = 1.0, freeze_base: bool = False, seed: int = 0,
+                 num_facts: int | tuple[int, int] = 1, lm_weight: float = 1.0, freeze_base: bool = False, seed: int = 0,
                  boundary_fraction: float = 0.25, far_fraction: float = 0.0) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
     params, and the base weights unless `freeze_base`)."""
@@ -183,7 +189,9 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--curriculum", default=DEFAULT_CURRICULUM,
                         help="stages tokens:steps:batch_size, comma-separated (default %(default)s: one segment "
                              "with short filler, one full segment, then 2 and 4 segments of 128)")
-    parser.add_argument("--num-facts", type=int, default=1)
+    parser.add_argument("--num-facts", default="1",
+                        help="facts per sample, N or a range LO-HI drawn per sample (default 1); the final "
+                             "accuracy check uses the largest count")
     parser.add_argument("--boundary-fraction", type=float, default=0.25,
                         help="share of samples whose prompt is whole segments, so that the answer starts a new "
                              "segment (default 0.25)")
@@ -211,12 +219,24 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
+def parse_fact_range(text: str) -> tuple[int, int]:
+    """`--num-facts` text "N" or "LO-HI" -> (lo, hi) with 1 <= lo <= hi."""
+    try:
+        lo, hi = (int(x) for x in text.split("-")) if "-" in text else (int(text),) * 2
+    except ValueError:
+        raise ValueError(f"--num-facts must be N or LO-HI, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--num-facts needs 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     """`jaxlongctx train-armt`: wrap the base model with a fresh ARMT memory (or start from an ARMT
     checkpoint), fine-tune (or resume the run in `--out`), save."""
     from jaxlongctx.loading import load
 
     stages = parse_curriculum(args.curriculum)
+    facts = parse_fact_range(str(args.num_facts))
     steps = sum(stage.steps for stage in stages)
     sizes = {"--segment-size": args.segment_size, "--mem-tokens": args.mem_tokens, "--d-mem": args.d_mem}
     if args.init:
@@ -235,7 +255,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     warmup = max(1, steps // 50) if steps > 1 else 0
     optim = OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=steps, weight_decay=0.0)
     tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress)
-    trainer = armt_trainer(armt, optim, tcfg, stages, args.num_facts, args.lm_weight, args.freeze_base, args.seed,
+    trainer = armt_trainer(armt, optim, tcfg, stages, facts, args.lm_weight, args.freeze_base, args.seed,
                            args.boundary_fraction, args.far_fraction)
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
@@ -249,10 +269,10 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "curriculum": [dataclasses.asdict(stage) for stage in stages], "lm_weight": args.lm_weight,
         "boundary_fraction": args.boundary_fraction, "far_fraction": args.far_fraction,
-        "freeze_base": args.freeze_base, "num_facts": args.num_facts, "resumed": resumed,
+        "freeze_base": args.freeze_base, "num_facts": list(facts), "resumed": resumed,
         "train_wall_s": trainer.history["wall_s"][-1], "this_session_wall_s": time.perf_counter() - t0,
         "final_loss": trainer.history["loss"][-1],
-        "accuracy": [retrieval_accuracy(armt, n, args.eval_samples, num_facts=args.num_facts,
+        "accuracy": [retrieval_accuracy(armt, n, args.eval_samples, num_facts=facts[1],
                                         segment_size=cfg.segment_size)
                      for n in _int_list(args.eval_lengths, "--eval-lengths")],
     }
