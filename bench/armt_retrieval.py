@@ -47,22 +47,24 @@ def main() -> None:
     else:
         full = [(512, 64), (1024, 32), (2048, 16), (4096, 8), (8192, 4)]
         armt_plan = [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 128), (16384, 32), (32768, 32)]
-    runs = {f"armt_{n}_facts": (n, armt_plan) for n in counts}  # row -> (facts, [(length, samples)])
-    runs.update({"full_attention": (most, full), "full_attention_finetuned": (most, full)})
-    models = {**{name: lambda ids: armt(ids, schedule="diagonal") for name in runs if name.startswith("armt")},
-              "full_attention": base, "full_attention_finetuned": armt.base}
+
+    def armt_diagonal(ids):
+        return armt(ids, schedule="diagonal")
+
+    # row -> (model, its segment size or None, facts, [(length, samples)])
+    runs = {f"armt_{n}_facts": (armt_diagonal, armt.armt.segment_size, n, armt_plan) for n in counts}
+    runs.update({"full_attention": (base, None, most, full), "full_attention_finetuned": (armt.base, None, most, full)})
     rows: dict[str, list[dict]] = {name: [] for name in runs}
-    for name, (facts, sizes) in runs.items():
+    for name, (model, segment_size, facts, sizes) in runs.items():
         for length, samples in sizes:
             t0 = time.perf_counter()
-            segment_size = armt.armt.segment_size if name.startswith("armt") else None
-            r = retrieval_accuracy(models[name], length, samples, num_facts=facts, segment_size=segment_size)
+            r = retrieval_accuracy(model, length, samples, num_facts=facts, segment_size=segment_size)
             r["wall_s"] = time.perf_counter() - t0
             rows[name].append(r)
             print(name, r, flush=True)
     chance = {"exact_match": DIGIT_CHANCE ** CODE_DIGITS, "digit_accuracy": DIGIT_CHANCE}
     write_result("armt_retrieval", {"armt_ckpt": repo_path(args.armt_ckpt), "base": repo_path(args.base),
-                                    "num_facts": {name: facts for name, (facts, _) in runs.items()},
+                                    "num_facts": {name: run[2] for name, run in runs.items()},
                                     "quick": args.quick, "chance": chance, "results": rows,
                                     "plot": "armt_retrieval.png"})
     _plot(rows, chance, f"armt_{most}_facts")

@@ -45,7 +45,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def retrieval(armt: Any, context: int, samples: int, echo: Callable[[str], None], facts: int = 4) -> dict[str, Any]:
+def retrieval(armt: Any, context: int, samples: int, facts: int, echo: Callable[[str], None]) -> dict[str, Any]:
     """Answer `samples` held-out haystack questions of `context` tokens, `facts` facts each, with ARMT
     (diagonal schedule)."""
     tok = armt.tokenizer
@@ -124,7 +124,7 @@ def run_demo(*, base: Any = None, armt: Any = None, codebooks: Any = None, conte
     result: dict[str, Any] = {"context": context}
 
     echo(f"\n[1] haystack retrieval at {context:,} tokens, {facts} facts (ARMT, diagonal schedule)")
-    result["retrieval"] = retrieval(armt, context, samples, echo, facts)
+    result["retrieval"] = retrieval(armt, context, samples, facts, echo)
 
     echo(f"\n[2] one forward over {context:,} tokens")
     result["seconds"] = schedule_times(armt, base, context, echo)
