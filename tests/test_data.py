@@ -134,6 +134,9 @@ def _check_sample(sample: haystack.HaystackSample, tok, length: int, num_facts: 
     for fact, pos in zip(sample.facts, sample.fact_positions):
         n = len(tok.encode(fact, add_special_tokens=False).ids)
         assert tok.decode(sample.ids[pos:pos + n].tolist()) == fact
+    assert sample.facts == tuple(f" The code of the {s} is {c}." for s, c in zip(sample.subjects, sample.codes))
+    fixed = 1 + sum(len(tok.encode(text, add_special_tokens=False).ids) for text in (*sample.facts, sample.question))
+    assert sample.filler_tokens == length - fixed
     target = sample.facts[sample.target_fact]
     assert target.endswith(f" is {sample.answer}.")
     subject = target.removeprefix(" The code of the ").split(" is ")[0]

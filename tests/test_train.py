@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -117,7 +118,9 @@ def test_armt_curriculum_and_answer_positions():
         np.testing.assert_array_equal(flat[row, n - (CODE_DIGITS - 1):n], batch["answer_ids"][row, :-1])
         assert (flat[row, n:] == 0).all()
     logits = jnp.asarray(np.arange(2 * 8 * 128, dtype=np.float32).reshape(2, 8, 128, 1))  # nS B S V=1
-    picked = np.asarray(answer_logits(logits, jnp.asarray(lengths))[..., 0])  # B 4: flat positions n-4..n-1
+    np.testing.assert_array_equal(batch["answer_pos"], lengths[:, None] - CODE_DIGITS + np.arange(CODE_DIGITS))
+    assert (batch["answer_mask"] == 1).all()
+    picked = np.asarray(answer_logits(logits, jnp.asarray(batch["answer_pos"]))[..., 0])  # B 4: positions n-4..n-1
     flat_logits = np.asarray(logits)[..., 0].transpose(1, 0, 2).reshape(8, -1)
     for row, n in enumerate(lengths):
         np.testing.assert_array_equal(picked[row], flat_logits[row, n - CODE_DIGITS:n])
@@ -160,9 +163,47 @@ def test_armt_curriculum_and_answer_positions():
         answer.append(optax.softmax_cross_entropy_with_integer_labels(x[n[row] - 4:n[row]], short["answer_ids"][row]))
         lm.append(optax.softmax_cross_entropy_with_integer_labels(x[:n[row] - 1], short["ids"][row, 1:n[row]]))
     answer, lm = jnp.concatenate(answer).mean(), jnp.concatenate(lm).mean()
-    args = (logits, short["ids"], jnp.asarray(n), short["answer_ids"])
-    np.testing.assert_allclose(retrieval_loss(*args, 0.0), answer, rtol=1e-6)
-    np.testing.assert_allclose(retrieval_loss(*args, 0.5), answer + 0.5 * lm, rtol=1e-6)
+    np.testing.assert_allclose(retrieval_loss(logits, short, 0.0), answer, rtol=1e-6)
+    np.testing.assert_allclose(retrieval_loss(logits, short, 0.5), answer + 0.5 * lm, rtol=1e-6)
+
+
+def _code_pairs(text: str) -> list[tuple[str, str]]:
+    return re.findall(r"The code of the (\w+ \w+) is (\d{4})", text)
+
+
+def test_follow_up_questions_ask_every_other_fact_and_supervise_each_answer():
+    tok = load_default_tokenizer()
+    batch = haystack_batch(3, 12, 512, tok, 128, num_facts=(1, 4), boundary_fraction=0.5, follow_ups=True)
+    assert batch["answer_ids"].shape == batch["answer_pos"].shape == (12, 4 * CODE_DIGITS)
+    assert (batch["lengths"] <= 512).all()
+    asked_counts = set()
+    for ids, n, digits, pos, mask in zip(batch["ids"], batch["lengths"], batch["answer_ids"], batch["answer_pos"],
+                                         batch["answer_mask"]):
+        real = mask.astype(bool)
+        asked = int(real.sum()) // CODE_DIGITS
+        assert (real == (np.arange(real.size) < asked * CODE_DIGITS)).all()  # real digits first, then padding
+        full = np.append(ids[:n], digits[real][-1])  # the row's inputs + its last target
+        np.testing.assert_array_equal(full[pos[real] + 1], digits[real])  # each logit predicts the next digit
+        assert pos[real][-1] == n - 1
+        text = tok.decode(full.tolist())
+        questions = re.findall(r"What is the code of the (\w+ \w+)\?", text)
+        stated = _code_pairs(text[:text.index("\nWhat is the code")])  # the facts in the prompt
+        assert len(questions) == asked == len(stated) and sorted(questions) == sorted(s for s, _ in stated)
+        answers = dict(stated)
+        answered = _code_pairs(text[text.index("\nWhat is the code"):])  # each question's "... is DDDD" answer
+        assert [(s, answers[s]) for s in questions] == answered
+        asked_counts.add(asked)
+    assert asked_counts == {1, 2, 3, 4}
+
+    tight = haystack_batch(0, 8, 160, tok, 128, num_facts=4, follow_ups=True)  # room for fewer follow-ups
+    counts = tight["answer_mask"].sum(axis=1) / CODE_DIGITS
+    assert (tight["lengths"] <= 160).all() and (counts >= 1).all() and (counts < 4).all()
+    logits = jax.random.normal(jax.random.key(1), (2, 8, 128, 4096))
+    flat = np.asarray(logits).transpose(1, 0, 2, 3).reshape(8, 256, 4096)
+    expected = [optax.softmax_cross_entropy_with_integer_labels(flat[b, p], d)
+                for b in range(8) for p, d, m in zip(tight["answer_pos"][b], tight["answer_ids"][b],
+                                                      tight["answer_mask"][b]) if m]
+    np.testing.assert_allclose(retrieval_loss(logits, tight, 0.0), np.mean(expected), rtol=1e-5)
 
 
 @pytest.mark.skipif(not BASE_MODEL.is_dir(), reason="base model asset not built yet")
@@ -189,8 +230,9 @@ def test_train_armt_runs_its_curriculum_and_saves_a_loadable_model(tmp_path):
              "--curriculum", "256:1:2", "--no-progress"]
     with pytest.raises(ValueError, match="--segment-size only apply with --base"):
         run_train_armt(parser.parse_args(again + ["--segment-size", "64"]))
-    summary = run_train_armt(parser.parse_args(again))
+    summary = run_train_armt(parser.parse_args(again + ["--follow-ups", "--num-facts", "3"]))
     assert summary["init"] == str(tmp_path / "armt") and summary["armt_config"]["segment_size"] == 128
+    assert summary["follow_ups"] and np.isfinite(summary["final_loss"])
     further = load(tmp_path / "armt2")
     assert further.armt == armt.armt and float(jnp.abs(further(np.full((1, 200), 5, np.int32)) - out).max()) > 0
     with pytest.raises(SystemExit):  # --base and --init exclude each other

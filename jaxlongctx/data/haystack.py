@@ -45,6 +45,9 @@ class HaystackSample:
     facts: tuple[str, ...]      # text of each inserted fact, in position order
     fact_positions: np.ndarray  # int32, offset in ids of each fact's first token, ascending
     target_fact: int            # index into facts / fact_positions of the asked fact
+    subjects: tuple[str, ...]   # subject of each fact ("blue box"), in position order
+    codes: tuple[str, ...]      # code of each fact, in position order
+    filler_tokens: int          # how many of ids are filler (the rest is fixed by the seed)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,19 @@ def _check_seed_index(index: int) -> int:
     if not 0 <= index < SEED_SPACE:
         raise ValueError(f"seed index must be in [0, {SEED_SPACE}), got {index}")
     return index
+
+
+def question_text(subject: str) -> str:
+    """The question asking for the code of ``subject``; it ends right before the code."""
+    return f"\nWhat is the code of the {subject}? The code of the {subject} is "
+
+
+def follow_up_ids(sample: HaystackSample, fact: int, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens that continue a sample after an answer with one more question, about ``facts[fact]``:
+    ``"." + question`` (int32 ``[Q]``), and that fact's code digits (int32 ``[CODE_DIGITS]``)."""
+    res = _resources(tokenizer)
+    ids = np.concatenate([_encode(tokenizer, "."), _encode(tokenizer, question_text(sample.subjects[fact]))])
+    return ids, res.digit_ids[[int(d) for d in sample.codes[fact]]]
 
 
 def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
@@ -149,7 +165,7 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
                                 res.digit_ids[[int(d) for d in c]], period])
                 for s, c in zip(subjects, codes)]
     facts = [f" The code of the {s} is {c}." for s, c in zip(subjects, codes)]
-    question = f"\nWhat is the code of the {subjects[0]}? The code of the {subjects[0]} is "
+    question = question_text(subjects[0])
     question_ids = _encode(tokenizer, question)
 
     filler_size = length_tokens - 1 - sum(f.size for f in fact_ids) - question_ids.size
@@ -171,7 +187,9 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
     return HaystackSample(
         ids=np.concatenate(parts), answer_ids=res.digit_ids[[int(d) for d in codes[0]]],
         answer=codes[0], question=question, facts=tuple(facts[k] for k in order),
-        fact_positions=np.array(positions, dtype=np.int32), target_fact=target)
+        fact_positions=np.array(positions, dtype=np.int32), target_fact=target,
+        subjects=tuple(subjects[k] for k in order), codes=tuple(codes[k] for k in order),
+        filler_tokens=int(filler_size))
 
 
 def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer,

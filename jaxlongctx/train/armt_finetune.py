@@ -1,7 +1,8 @@
 """ARMT fine-tuning on the haystack retrieval task through the diagonal schedule (`jaxlongctx train-armt`).
 
-A training sample is a haystack prompt followed by its answer digits, exactly `tokens` long. The
-loss is the cross-entropy of the answer digits plus `lm_weight` times the mean next-token loss over
+A training sample is a haystack prompt followed by its answer digits (and, with follow-ups, by
+questions about the sample's other facts, each with its answer), at most `tokens` long. The loss is
+the cross-entropy of the answer digits plus `lm_weight` times the mean next-token loss over
 the whole sample (it keeps the model a language model and teaches it to copy the asked subject).
 The curriculum is a list of stages, each a sample length, a number of steps and a batch size. The
 usual one first teaches in-segment retrieval on one segment (short filler, then a full segment), then
@@ -26,9 +27,9 @@ from flax import nnx
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.armt.segments import Segments, segment
-from jaxlongctx.data.haystack import CODE_DIGITS, make_sample, train_seed
+from jaxlongctx.data.haystack import CODE_DIGITS, follow_up_ids, make_sample, train_seed
 from jaxlongctx.data.tokenizer import load_default_tokenizer
-from jaxlongctx.train.evaluate import answer_inputs, retrieval_accuracy
+from jaxlongctx.train.evaluate import retrieval_accuracy
 from jaxlongctx.train.optim import OptimConfig, make_optimizer
 from jaxlongctx.train.trainer import Trainer, TrainerConfig, load_into
 
@@ -66,9 +67,9 @@ def stage_per_step(stages: list[Stage]) -> list[Stage]:
 
 def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, segment_size: int,
                    num_facts: int | tuple[int, int], boundary_fraction: float = 0.0,
-                   far_fraction: float = 0.0) -> dict[str, np.ndarray]:
+                   far_fraction: float = 0.0, follow_ups: bool = False) -> dict[str, np.ndarray]:
     """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
-    the answer digits `[B, 4]`, with `T = total_tokens`.
+    the supervised answer digits, with `T = total_tokens`.
 
     Each sample ends at a uniformly random position of its last segment (its length is in
     `(T - segment_size, T]`, and above T / 2), so the question and the answer straddle segment
@@ -79,6 +80,13 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     put the asked fact in the first fifth of the filler, so that the memory must carry it across
     nearly every segment of the sample (otherwise its depth is uniform). `num_facts` is a count, or a
     range `(lo, hi)` from which each sample draws its own count uniformly.
+
+    With `follow_ups`, the answer is followed by questions about the sample's other facts, in random
+    order, each with its answer (as many as fit in T), so that one sample supervises up to `hi` answers.
+
+    Answer arrays are `[B, K]`, `K = CODE_DIGITS * (hi if follow_ups else 1)`: `answer_ids` the digits,
+    `answer_pos` the position of the logit that predicts each, `answer_mask` 1 for a real digit, 0 for
+    padding (fewer facts or follow-ups than `hi`).
     """
     lo, hi = (num_facts, num_facts) if isinstance(num_facts, int) else num_facts
     if not 1 <= lo <= hi:
@@ -88,30 +96,50 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
             raise ValueError(f"{name} must be in [0, 1], got {value}")
     rng = np.random.default_rng([seed, 1])
     shortest = max(total_tokens - segment_size + 1, total_tokens // 2 + 1)
-    whole_segments = (total_tokens - CODE_DIGITS + 1) // segment_size * segment_size  # longest such prompt (or 0)
+    tail = CODE_DIGITS - 1  # answer digits fed back as input after the prompt (teacher forcing)
+    width = CODE_DIGITS * (hi if follow_ups else 1)
     ids = np.zeros((batch, total_tokens), np.int32)
     lengths = np.zeros(batch, np.int32)
-    answers = np.zeros((batch, CODE_DIGITS), np.int32)
+    answer_ids = np.zeros((batch, width), np.int32)
+    answer_pos = np.zeros((batch, width), np.int32)
+    answer_mask = np.zeros((batch, width), np.float32)
     for i in range(batch):
-        length = int(rng.integers(shortest, total_tokens + 1))
-        if boundary_fraction and whole_segments > 0 and rng.random() < boundary_fraction:
-            length = whole_segments + CODE_DIGITS - 1
+        end = int(rng.integers(shortest, total_tokens + 1))
+        boundary = bool(boundary_fraction) and rng.random() < boundary_fraction
         depth = float(rng.uniform(0.0, 0.2)) if far_fraction and rng.random() < far_fraction else None
         facts = lo if lo == hi else int(rng.integers(lo, hi + 1))
-        for _ in range(total_tokens):  # too short for the facts and question: take a longer one
-            try:
-                sample = make_sample(np.random.default_rng([seed, i]), length - (CODE_DIGITS - 1), tokenizer,
-                                     num_facts=facts, target_depth=depth)
-                break
-            except ValueError:
-                if length == total_tokens:
-                    raise
-                length += 1
-        row = answer_inputs(sample.ids[None], sample.answer_ids[None])[0]
-        ids[i, :length], lengths[i], answers[i] = row, length, sample.answer_ids
+
+        def sample_of(prompt_tokens: int):
+            return make_sample(np.random.default_rng([seed, i]), prompt_tokens, tokenizer, num_facts=facts,
+                               target_depth=depth)
+
+        longest = sample_of(total_tokens - tail)  # facts and codes depend on the seed alone, not the length
+        fixed = longest.ids.size - longest.filler_tokens  # <bos>, facts and question
+        others = [k for k in range(facts) if k != longest.target_fact]
+        follow = [follow_up_ids(longest, int(k), tokenizer) for k in rng.permutation(others)] if follow_ups else []
+        while fixed + tail + sum(q.size + CODE_DIGITS for q, _ in follow) > total_tokens:
+            follow.pop()
+        extra = sum(q.size + CODE_DIGITS for q, _ in follow)  # tokens after the first answer's digits
+        prompt = max(end - tail - extra, fixed)
+        whole = (total_tokens - tail - extra) // segment_size * segment_size  # longest whole-segment prompt
+        if boundary and whole >= max(fixed, segment_size):
+            prompt = whole
+        sample = longest if prompt == longest.ids.size else sample_of(prompt)
+        parts, pos, digits, offset = [sample.ids, sample.answer_ids], [prompt - 1], [sample.answer_ids], prompt
+        for question, code in follow:
+            offset += CODE_DIGITS + question.size
+            parts += [question, code]
+            pos.append(offset - 1)
+            digits.append(code)
+        row = np.concatenate(parts)[:-1]  # the last digit is only a target
+        n = CODE_DIGITS * len(digits)
+        ids[i, :row.size], lengths[i] = row, row.size
+        answer_ids[i, :n] = np.concatenate(digits)
+        answer_pos[i, :n] = (np.array(pos)[:, None] + np.arange(CODE_DIGITS)[None]).reshape(-1)
+        answer_mask[i, :n] = 1.0
     segs = segment(ids, lengths, segment_size)
     return {"ids": ids, "lengths": lengths, "seg_ids": segs.ids, "seg_n": segs.n, "seg_first": segs.first,
-            "answer_ids": answers}
+            "answer_ids": answer_ids, "answer_pos": answer_pos, "answer_mask": answer_mask}
 
 
 def flat_logits(logits: jnp.ndarray, total_tokens: int) -> jnp.ndarray:
@@ -120,24 +148,25 @@ def flat_logits(logits: jnp.ndarray, total_tokens: int) -> jnp.ndarray:
     return flat[:, :total_tokens]
 
 
-def answer_logits(logits: jnp.ndarray, lengths: jnp.ndarray) -> jnp.ndarray:
-    """Logits `[nS, B, S, V]` of samples of `lengths [B]` -> those predicting the answer digits
-    `[B, CODE_DIGITS, V]` (the last CODE_DIGITS positions of each sample)."""
+def answer_logits(logits: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
+    """Logits `[nS, B, S, V]` -> those at the sample positions `[B, K]` (token order): `[B, K, V]`."""
     flat = flat_logits(logits, logits.shape[0] * logits.shape[2])  # B nS*S V
-    positions = lengths[:, None] - CODE_DIGITS + jnp.arange(CODE_DIGITS)[None]  # B 4
     return jnp.take_along_axis(flat, positions[..., None], axis=1)
 
 
-def retrieval_loss(logits: jnp.ndarray, ids: jnp.ndarray, lengths: jnp.ndarray, answer_ids: jnp.ndarray,
-                   lm_weight: float) -> jnp.ndarray:
-    """Answer-digit cross-entropy + `lm_weight` x next-token cross-entropy over the samples' tokens.
+def retrieval_loss(logits: jnp.ndarray, batch: dict[str, jnp.ndarray], lm_weight: float) -> jnp.ndarray:
+    """Answer-digit cross-entropy (mean over real digits) + `lm_weight` x next-token cross-entropy over
+    the samples' tokens.
 
-    logits `[nS, B, S, V]` of the segmented sample ids `[B, T]` (right-padded to T), lengths `[B]`,
-    answer_ids `[B, CODE_DIGITS]`.
+    logits `[nS, B, S, V]` of the segmented `batch["ids"] [B, T]` (right-padded to T); the batch of
+    `haystack_batch` also gives `lengths [B]` and `answer_ids`, `answer_pos`, `answer_mask [B, K]`.
     """
-    answer = optax.softmax_cross_entropy_with_integer_labels(answer_logits(logits, lengths), answer_ids)
-    loss = jnp.mean(answer)
+    answer = optax.softmax_cross_entropy_with_integer_labels(answer_logits(logits, batch["answer_pos"]),
+                                                             batch["answer_ids"])
+    mask = batch["answer_mask"]
+    loss = jnp.sum(answer * mask) / jnp.sum(mask)
     if lm_weight:
+        ids, lengths = batch["ids"], batch["lengths"]
         total = ids.shape[1]
         lm = optax.softmax_cross_entropy_with_integer_labels(flat_logits(logits, total)[:, :-1], ids[:, 1:])
         weight = (jnp.arange(total - 1)[None] < lengths[:, None] - 1).astype(lm.dtype)  # real targets
@@ -147,7 +176,7 @@ def retrieval_loss(logits: jnp.ndarray, ids: jnp.ndarray, lengths: jnp.ndarray, 
 
 def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, stages: list[Stage],
                  num_facts: int | tuple[int, int] = 1, lm_weight: float = 1.0, freeze_base: bool = False, seed: int = 0,
-                 boundary_fraction: float = 0.25, far_fraction: float = 0.0) -> Trainer:
+                 boundary_fraction: float = 0.25, far_fraction: float = 0.0, follow_ups: bool = False) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
     params, and the base weights unless `freeze_base`)."""
     tokenizer = load_default_tokenizer()
@@ -160,13 +189,13 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, st
     def batch_fn(step: int) -> dict[str, np.ndarray]:
         stage = per_step[step]
         return haystack_batch(train_seed(seed * 1_000_000 + step), stage.batch_size, stage.tokens, tokenizer, s,
-                              num_facts, boundary_fraction, far_fraction)
+                              num_facts, boundary_fraction, far_fraction, follow_ups)
 
     def loss_fn(params, frozen, batch):
         full = (frozen, params) if freeze_base else params
         segs = Segments(batch["seg_ids"], batch["seg_n"], batch["seg_first"])
         _, logits = armt.run_segments(full, segs, "diagonal")
-        return retrieval_loss(logits, batch["ids"], batch["lengths"], batch["answer_ids"], lm_weight)
+        return retrieval_loss(logits, batch, lm_weight)
 
     params, frozen = (memory, base) if freeze_base else ((base, memory), None)
     return Trainer(loss_fn, params, make_optimizer(optim), batch_fn, trainer, frozen=frozen,
@@ -198,6 +227,9 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--far-fraction", type=float, default=0.0,
                         help="share of samples whose asked fact lies in the first fifth of the filler, so the memory "
                              "must keep it across almost the whole sample (default 0: uniform depth)")
+    parser.add_argument("--follow-ups", action="store_true",
+                        help="after the answer, ask about each other fact of the sample too (as many as fit), every "
+                             "answer supervised: more signal per sample (evaluation always asks one question)")
     parser.add_argument("--lm-weight", type=float, default=1.0,
                         help="weight of the next-token loss over the whole sample, added to the answer loss")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -256,7 +288,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     optim = OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=steps, weight_decay=0.0)
     tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress)
     trainer = armt_trainer(armt, optim, tcfg, stages, facts, args.lm_weight, args.freeze_base, args.seed,
-                           args.boundary_fraction, args.far_fraction)
+                           args.boundary_fraction, args.far_fraction, args.follow_ups)
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
     trainer.run()
@@ -269,7 +301,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "curriculum": [dataclasses.asdict(stage) for stage in stages], "lm_weight": args.lm_weight,
         "boundary_fraction": args.boundary_fraction, "far_fraction": args.far_fraction,
-        "freeze_base": args.freeze_base, "num_facts": list(facts), "resumed": resumed,
+        "freeze_base": args.freeze_base, "num_facts": list(facts), "follow_ups": args.follow_ups, "resumed": resumed,
         "train_wall_s": trainer.history["wall_s"][-1], "this_session_wall_s": time.perf_counter() - t0,
         "final_loss": trainer.history["loss"][-1],
         "accuracy": [retrieval_accuracy(armt, n, args.eval_samples, num_facts=facts[1],
