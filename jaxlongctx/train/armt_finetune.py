@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -108,12 +109,8 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
         boundary = bool(boundary_fraction) and rng.random() < boundary_fraction
         depth = float(rng.uniform(0.0, 0.2)) if far_fraction and rng.random() < far_fraction else None
         facts = lo if lo == hi else int(rng.integers(lo, hi + 1))
-
-        def sample_of(prompt_tokens: int):
-            return make_sample(np.random.default_rng([seed, i]), prompt_tokens, tokenizer, num_facts=facts,
-                               target_depth=depth)
-
-        longest = sample_of(total_tokens - tail)  # facts and codes depend on the seed alone, not the length
+        make = functools.partial(make_sample, tokenizer=tokenizer, num_facts=facts, target_depth=depth)
+        longest = make(np.random.default_rng([seed, i]), total_tokens - tail)  # facts, codes: seed only, not length
         fixed = longest.ids.size - longest.filler_tokens  # <bos>, facts and question
         others = [k for k in range(facts) if k != longest.target_fact]
         follow = [follow_up_ids(longest, int(k), tokenizer) for k in rng.permutation(others)] if follow_ups else []
@@ -124,7 +121,7 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
         whole = (total_tokens - tail - extra) // segment_size * segment_size  # longest whole-segment prompt
         if boundary and whole >= max(fixed, segment_size):
             prompt = whole
-        sample = longest if prompt == longest.ids.size else sample_of(prompt)
+        sample = longest if prompt == longest.ids.size else make(np.random.default_rng([seed, i]), prompt)
         parts, pos, digits, offset = [sample.ids, sample.answer_ids], [prompt - 1], [sample.answer_ids], prompt
         for question, code in follow:
             offset += CODE_DIGITS + question.size
