@@ -114,9 +114,9 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
         fixed = longest.ids.size - longest.filler_tokens  # <bos>, facts and question
         others = [k for k in range(facts) if k != longest.target_fact]
         follow = [follow_up_ids(longest, int(k), tokenizer) for k in rng.permutation(others)] if follow_ups else []
-        while fixed + tail + sum(q.size + CODE_DIGITS for q, _ in follow) > total_tokens:
-            follow.pop()
         extra = sum(q.size + CODE_DIGITS for q, _ in follow)  # tokens after the first answer's digits
+        while fixed + tail + extra > total_tokens:  # drop the follow-ups that do not fit
+            extra -= follow.pop()[0].size + CODE_DIGITS
         prompt = max(end - tail - extra, fixed)
         whole = (total_tokens - tail - extra) // segment_size * segment_size  # longest whole-segment prompt
         if boundary and whole >= max(fixed, segment_size):
