@@ -3,7 +3,8 @@
     python bench/armt_retrieval.py [--quick] [--armt-ckpt DIR] [--base DIR] [--num-facts 1,4]
 
 Held-out samples (evaluation seeds); exact match and per-digit accuracy of the 4-digit answer
-(teacher-forced argmax, equivalent to greedy decoding being right), with the chance levels. ARMT
+(teacher-forced argmax, equivalent to greedy decoding being right), with the chance levels; ARMT
+logits are those its decoding computes, with the prompt's last segment still in view. ARMT
 runs once per fact count (row `armt_{n}_facts`): with one fact the memory only has to keep a code,
 with several it must keep which code belongs to which subject and answer the asked one. Full
 attention runs on the largest count, twice: the pretrained base model, and the ARMT model's own
@@ -48,12 +49,16 @@ def main() -> None:
         full = [(512, 64), (1024, 32), (2048, 16), (4096, 8), (8192, 4)]
         armt_plan = [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 128), (16384, 32), (32768, 32)]
 
-    def armt_diagonal(ids):
-        return armt(ids, schedule="diagonal")
+    def armt_diagonal(ids, prompt_length):  # the logits decoding computes (prompt's last segment kept open)
+        return armt.generation_logits(ids, prompt_length, schedule="diagonal")
+
+    def full_attention(model):
+        return lambda ids, prompt_length: model(ids)
 
     # row -> (model, its segment size or None, facts, [(length, samples)])
     runs = {f"armt_{n}_facts": (armt_diagonal, armt.armt.segment_size, n, armt_plan) for n in counts}
-    runs.update({"full_attention": (base, None, most, full), "full_attention_finetuned": (armt.base, None, most, full)})
+    runs.update({"full_attention": (full_attention(base), None, most, full),
+                 "full_attention_finetuned": (full_attention(armt.base), None, most, full)})
     rows: dict[str, list[dict]] = {name: [] for name in runs}
     for name, (model, segment_size, facts, sizes) in runs.items():
         for length, samples in sizes:

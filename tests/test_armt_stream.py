@@ -62,12 +62,12 @@ def test_documents_back_to_back_without_draining():
     assert float(jnp.abs(mem.A[:, 0] - alone.A[:, 0]).max() / jnp.abs(alone.A).max()) <= 1e-5
 
 
-def test_greedy_generation_equals_repeated_forward():
-    armt = shared_armt()
+def test_greedy_generation_equals_repeated_generation_logits():
+    armt = shared_armt()  # segment size 8
     ids = RNG.integers(0, VOCAB, (2, 29))
-    lengths = [29, 20]  # 3 full segments + 5 tokens; 2 full segments + 4 tokens
+    lengths = [29, 24]  # 3 whole segments + 5 tokens; 3 whole segments (the window opens on the last one)
     mask = np.arange(29)[None] < np.asarray(lengths)[:, None]
-    new = 7  # crosses a segment boundary for both rows (commit, then a fresh segment)
+    new = 15  # both windows (rows 0 / 1: [24, 40) / [16, 32)) fill: two commits, then a fresh segment
     got = {s: armt.generate_ids(ids, new, attention_mask=mask, schedule=s, eos_id=-1)
            for s in ("diagonal", "sequential")}
     np.testing.assert_array_equal(got["diagonal"], got["sequential"])
@@ -75,8 +75,28 @@ def test_greedy_generation_equals_repeated_forward():
     for r, n in enumerate(lengths):
         seq = list(ids[r, :n])
         for _ in range(new):
-            seq.append(int(jnp.argmax(armt(np.asarray(seq)[None], schedule="sequential")[0, -1])))
+            logits = armt.generation_logits(np.asarray(seq)[None], n, schedule="sequential")
+            seq.append(int(jnp.argmax(logits[0, -1])))
         assert got["diagonal"][r, 29:].tolist() == seq[n:]
+
+
+def test_generation_logits_keep_the_question_in_view():
+    armt = shared_armt()  # segment size 8
+    ids = RNG.integers(0, VOCAB, (2, 44))
+    plain = armt(ids, schedule="sequential")
+    # a window that stays inside the prompt's last segment is that segment of the plain forward
+    inside = armt.generation_logits(ids[:, :32], 29, schedule="diagonal")
+    assert _max_diff(inside, plain[:, :32]) <= 1e-4
+    # a prompt of whole segments: later tokens join its last segment instead of starting a new one
+    joined = armt.generation_logits(ids[:, :28], 24)
+    assert _max_diff(joined[:, :24], plain[:, :24]) <= 1e-4
+    assert _max_diff(joined[:, 24:], plain[:, 24:28]) > 1e-2
+    # past the 2S window everything is committed again: plain segments
+    past = armt.generation_logits(ids, 24)
+    assert _max_diff(past[:, :28], joined) <= 1e-4 and _max_diff(past[:, 32:], plain[:, 32:]) <= 1e-4
+    for bad in (0, 45, 2.0):
+        with pytest.raises(ValueError, match="prompt_length"):
+            armt.generation_logits(ids, bad)
 
 
 def test_save_load_roundtrip(tmp_path):

@@ -270,16 +270,20 @@ def test_eval_ppl_of_shipped_model_beats_unigram():
         run_eval_ppl(parser.parse_args(["--ckpt", str(BASE_MODEL), "--context", "0"]))
 
 
-def _ngram_copy_logits(ids: np.ndarray, window: int | None, vocab: int = 4096, n: int = 3,
-                       lookback: int | None = None) -> np.ndarray:
+def _ngram_copy_logits(ids: np.ndarray, window: int | None, prompt_length: int | None = None, vocab: int = 4096,
+                       n: int = 3, lookback: int | None = None) -> np.ndarray:
     """An exact in-context copier: at each position, predict the token that followed the last earlier
     occurrence of the current n-gram, looking back only within the position's `window`-token segment
-    and at most `lookback` tokens."""
+    (with `prompt_length`, ARMT's decoding layout: positions after the prompt's last segment opened
+    look back to its start, up to 2 windows) and at most `lookback` tokens."""
     b, t = ids.shape
+    opened = None if window is None or prompt_length is None else (prompt_length - 1) // window * window
     logits = np.zeros((b, t, vocab), np.float32)
     for row in range(b):
         for pos in range(n - 1, t):
             start = 0 if window is None else pos // window * window
+            if opened is not None and opened <= pos < opened + 2 * window:
+                start = opened
             start = start if lookback is None else max(start, pos - lookback)
             key = tuple(ids[row, pos - n + 1:pos + 1])
             for j in range(pos - 1, max(start, n - 1) - 1, -1):
@@ -292,17 +296,22 @@ def _ngram_copy_logits(ids: np.ndarray, window: int | None, vocab: int = 4096, n
 def test_retrieval_accuracy_splits_attention_from_memory():
     from jaxlongctx.train.evaluate import retrieval_accuracy
 
-    def score(window, length, samples=8, **kw):
-        return retrieval_accuracy(lambda ids: _ngram_copy_logits(ids, window), length, samples, batch_size=4,
-                                  num_facts=1, **kw)
+    def score(window, length, samples=8, layout=True, **kw):
+        def model(ids, prompt_length):
+            return _ngram_copy_logits(ids, window, prompt_length if layout else None)
+        return retrieval_accuracy(model, length, samples, batch_size=4, num_facts=1, **kw)
 
     full = score(None, 380, segment_size=128)  # answer digits predicted at 379..382: all in segment 2
     assert full["exact_match"] == 1.0 and full["samples"] == 8
     assert full["in_segment_samples"] > 0 and full["from_memory_samples"] > 0
     windowed = score(128, 380, segment_size=128)  # sees only its own segment, like attention in ARMT
     assert windowed["in_segment_exact_match"] == 1.0 and windowed["from_memory_exact_match"] == 0.0
-    straddling = score(128, 384, segment_size=128)  # digits 2-4 are predicted in a new segment
-    assert straddling["in_segment_samples"] == 0 and straddling["from_memory_exact_match"] == 0.0
+    # a prompt of whole segments: the answer is decoded in the window its last segment opened ...
+    whole = score(128, 384, segment_size=128)
+    assert whole["in_segment_samples"] > 0 and whole["in_segment_exact_match"] == 1.0
+    assert whole["from_memory_exact_match"] == 0.0
+    # ... while in a fresh segment digits 2-4 could not see the fact
+    assert score(128, 384, layout=False, segment_size=128)["exact_match"] == 0.0
     assert "in_segment_samples" not in score(None, 380, samples=1)
 
 
@@ -310,7 +319,7 @@ def test_retrieval_accuracy_by_fact_depth():
     from jaxlongctx.train.evaluate import retrieval_accuracy
 
     # A copier that sees 128 tokens back finds facts in the prompt's last quarter, never in its first half.
-    out = retrieval_accuracy(lambda ids: _ngram_copy_logits(ids, None, lookback=128), 512, 16, batch_size=4,
+    out = retrieval_accuracy(lambda ids, n: _ngram_copy_logits(ids, None, lookback=128), 512, 16, batch_size=4,
                              num_facts=1)
     depth = out["by_depth"]
     assert [d["depth"] for d in depth] == [[0.0, 0.25], [0.25, 0.5], [0.5, 0.75], [0.75, 1.0]]

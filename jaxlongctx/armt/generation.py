@@ -1,7 +1,10 @@
-"""ARMT generation: full segments through a schedule, then cached decoding inside the current
-segment, reading (never writing) the memory; a segment that fills up during decoding is committed
-(run with its memory rows, writing the memory) and the cache restarts at position 0. Every
-generated token therefore sees exactly what a full ARMT forward over the grown sequence gives it.
+"""ARMT generation: every segment of the prompt but its last runs through a schedule (writing the
+memory); the prompt's last segment (1..S tokens) stays open as the decoding window, so the answer is
+generated with the question in view even when the prompt fills whole segments. Decoded tokens join
+the window and read (never write) the memory. The window holds up to 2S tokens; once full it is
+committed as two segments (writing the memory) and decoding goes on in plain segments of S tokens,
+each committed when it fills. `generation_logits` gives the logits this layout computes for a
+whole sequence, so that greedy decoding equals its repeated argmax.
 """
 
 from __future__ import annotations
@@ -21,16 +24,16 @@ from jaxlongctx.model.attention import attention
 from jaxlongctx.model.rope import rope_tables
 from jaxlongctx.parallel import put_batch
 from jaxlongctx.generate import Request, choose_next
+from jaxlongctx.validation import check_ids
 
 
-def _prefill(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray,
-             last_full: jnp.ndarray) -> tuple[jnp.ndarray, DenseCache]:
-    """Token rows of the partial segment (ids `[B, S]`, `n [B]` real) through every layer with memory
-    reads; returns next-token logits `[B, V]` (`last_full` where n == 0) and the segment's cache."""
+def _window_pass(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray):
+    """Window rows (ids `[B, W]`, `n [B]` real) through every layer, reading the memory without
+    writing it; returns the base module, hidden states `[B, W, D]`, keys / values and the valid mask."""
     base, mem = model.merge(params)
-    b, s = ids.shape
-    valid = jnp.arange(s)[None] < n[:, None]
-    slots = jnp.broadcast_to(jnp.arange(s), (b, s))
+    b, w = ids.shape
+    valid = jnp.arange(w)[None] < n[:, None]
+    slots = jnp.broadcast_to(jnp.arange(w), (b, w))
     cos, sin = rope_tables(slots, model.inv_freq)
 
     def body(layer, h, xs):
@@ -40,24 +43,37 @@ def _prefill(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: j
         return layer.finish(h, attention(q, k, v, slots, valid)), (k, v)
 
     h, (k, v) = base.scan_layers(body, base.embed_ids(ids), (mem.layers(), *state))
-    last = base.head(jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1))[:, 0]
-    return jnp.where((n > 0)[:, None], last, last_full), DenseCache.from_prefill(k, v, valid, s)
+    return base, h, k, v, valid
+
+
+def _prefill(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray
+             ) -> tuple[jnp.ndarray, DenseCache]:
+    """The prompt's window (ids `[B, 2S]`, `n [B]` >= 1 real) -> next-token logits `[B, V]` and its cache."""
+    base, h, k, v, valid = _window_pass(model, params, state, ids, n)
+    last = base.head(jnp.take_along_axis(h, (n - 1)[:, None, None], axis=1))[:, 0]
+    return last, DenseCache.from_prefill(k, v, valid, ids.shape[1])
+
+
+def _window_logits(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray) -> jnp.ndarray:
+    """Logits `[B, W, V]` of every window row (ids `[B, W]`, `n [B]` real)."""
+    base, h, *_ = _window_pass(model, params, state, ids, n)
+    return base.head(h)
 
 
 def _decode_step(model: Any, sampler: tuple, eos: tuple[int, ...], pad_id: int, params: Any,
-                 state: MemoryState, cache: DenseCache, seg_ids: jnp.ndarray, pos: jnp.ndarray,
+                 state: MemoryState, cache: DenseCache, window: jnp.ndarray, pos: jnp.ndarray,
                  logits: jnp.ndarray, key: jax.Array, done: jnp.ndarray):
-    """Pick the next token `[B]` and run it at segment slot `pos [B]`; returns it, the done flags,
-    its logits `[B, V]`, the cache and the current segment's ids `[B, S]`."""
+    """Pick the next token `[B]` and run it at window slot `pos [B]`; returns it, the done flags,
+    its logits `[B, V]`, the cache and the window's ids `[B, 2S]`."""
     tok, done = choose_next(sampler, eos, pad_id, logits, key, done)
     base, mem = model.merge(params)
-    hit = jnp.arange(seg_ids.shape[1])[None] == pos[:, None]  # B S: each row's slot (selects, not scatters,
-    seg_ids = jnp.where(hit, tok[:, None], seg_ids)          # so rows may be split over devices)
+    hit = jnp.arange(window.shape[1])[None] == pos[:, None]  # B 2S: each row's slot (selects, not scatters,
+    window = jnp.where(hit, tok[:, None], window)            # so rows may be split over devices)
     key_valid = cache.key_valid | hit
     cos, sin = rope_tables(pos[:, None], model.inv_freq)
 
     def body(layer, h, xs):
-        lm, a, z, ck, cv = xs  # one layer's memory and cache [B, K, S, hd]
+        lm, a, z, ck, cv = xs  # one layer's memory and cache [B, K, 2S, hd]
         h = read(h, lm, a, z)
         q, k, v = layer.project_qkv(h, cos, sin)
         ck = jnp.where(hit[:, None, :, None], k.swapaxes(1, 2).astype(ck.dtype), ck)
@@ -65,13 +81,13 @@ def _decode_step(model: Any, sampler: tuple, eos: tuple[int, ...], pad_id: int, 
         return layer.finish(h, attention(q, ck, cv, pos[:, None], key_valid, heads_major=True)), (ck, cv)
 
     h, (ck, cv) = base.scan_layers(body, base.embed_ids(tok[:, None]), (mem.layers(), *state, cache.k, cache.v))
-    return tok, done, base.head(h)[:, 0], DenseCache(ck, cv, key_valid), seg_ids
+    return tok, done, base.head(h)[:, 0], DenseCache(ck, cv, key_valid), window
 
 
 def _commit(model: Any, params: Any, state: MemoryState, cache: DenseCache, seg_ids: jnp.ndarray,
             commit: jnp.ndarray, first: jnp.ndarray) -> tuple[MemoryState, DenseCache]:
-    """Run the full segments of rows in `commit [B]` with their memory rows (writing the memory)
-    and empty those rows' caches."""
+    """Run the full segments `seg_ids [B, S]` of rows in `commit [B]` with their memory rows (writing
+    the memory) and empty those rows' caches."""
     s = seg_ids.shape[1]
     state, _ = segment_through_layers(model, params, state, seg_ids, jnp.where(commit, s, 0), first & commit)
     return state, cache._replace(key_valid=cache.key_valid & ~commit[:, None])
@@ -87,43 +103,87 @@ def _compiled(model: Any, sampler: tuple, eos: tuple, pad_id: int):
     return cache[key]
 
 
+def _prompt_state(model: Any, ids: np.ndarray, lengths: np.ndarray, schedule: str) -> MemoryState:
+    """Memory after the segments of left-aligned rows `ids [B, T]` cut at `lengths [B]` (multiples of S)."""
+    if lengths.max() == 0:
+        return zero_state(model, ids.shape[0])
+    state, _ = model.run_segments(model.params, segment(ids, lengths, model.armt.segment_size), schedule)
+    return state
+
+
+def _window_rows(ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, width: int) -> np.ndarray:
+    """Each row's tokens `ids[r, starts[r]:stops[r]]`, left-aligned in `[B, width]` (zero-padded)."""
+    out = np.zeros((ids.shape[0], width), np.int32)
+    for r, (a, b) in enumerate(zip(starts, stops)):
+        out[r, :b - a] = ids[r, a:b]
+    return out
+
+
+def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = "diagonal") -> jnp.ndarray:
+    """The logits `[B, T, V]` that decoding after the first `prompt_length` tokens of `ids [B, T]`
+    (no padding) computes at every position: those of the plain forward, except in the decoding window
+    `[o, o + 2S)` that starts with the prompt's last segment, whose rows read the memory of the
+    segments before `o` and attend across the window. Greedy decoding equals its repeated argmax."""
+    ids = check_ids(ids, model.config.vocab_size)
+    b, t = ids.shape
+    if isinstance(prompt_length, bool) or not isinstance(prompt_length, (int, np.integer)) \
+            or not 1 <= prompt_length <= t:
+        raise ValueError(f"prompt_length must be an integer in [1, {t}] (the ids' length), got {prompt_length!r}")
+    S = model.armt.segment_size
+    start = (int(prompt_length) - 1) // S * S
+    stop = min(t, start + 2 * S)
+    parts = []
+    if start:
+        prefix, state = model.run(ids[:, :start], schedule=schedule)
+        parts.append(prefix)
+    else:
+        state = zero_state(model, b)
+    fns = model.__dict__.setdefault("_generate_fns", {})
+    if "window" not in fns:
+        fns["window"] = jax.jit(partial(_window_logits, model))
+    mesh = model.base.mesh
+    window = _window_rows(ids, np.full(b, start), np.full(b, stop), 2 * S)
+    parts.append(fns["window"](model.params, state, put_batch(window, mesh),
+                               put_batch(np.full(b, stop - start, np.int32), mesh))[:, :stop - start])
+    if t > stop:  # the window was committed as two segments: plain segments from here on
+        parts.append(model(ids, schedule=schedule)[:, stop:])
+    return jnp.concatenate(parts, axis=1)
+
+
 def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  eos_id: int | list[int] | None = None, attention_mask: Any = None,
                  progress: bool = False, schedule: str = "diagonal") -> np.ndarray:
     """Generate `max_new_tokens` after `ids [B, T]` (pads anywhere, per `attention_mask`); returns
-    ids `[B, T + new]`. Full segments run through `schedule`; decoding reads the memory only."""
+    ids `[B, T + new]`. The prompt's segments but its last run through `schedule`; decoding reads the
+    memory only, in the window opened by the prompt's last segment (see the module docstring)."""
     if schedule not in ("diagonal", "sequential"):
         raise ValueError(f"schedule must be 'diagonal' or 'sequential', got {schedule!r}")
-    cfg, S = model.config, model.armt.segment_size
-    req = Request.parse(cfg, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+    S = model.armt.segment_size
+    req = Request.parse(model.config, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, eos_id=eos_id, attention_mask=attention_mask)
-    b = req.ids.shape[0]
     ids_c, lengths, _ = compact(req.ids, req.mask)
-    full = lengths // S
-    part = lengths - full * S
+    start = (lengths - 1) // S * S  # B: where each row's window opens (every row has a real token)
     params, mesh = model.params, model.base.mesh
-    state, last_full = zero_state(model, b), jnp.zeros((b, cfg.vocab_size), jnp.float32)
-    if full.max() > 0:
-        segs = segment(ids_c, full * S, S)
-        state, logits = model.run_segments(params, segs, schedule)  # nS B S V
-        last = put_batch(np.arange(segs.count)[None] == full[:, None] - 1, mesh).astype(jnp.float32)  # B nS
-        last_full = jnp.einsum("bs,sbv->bv", last, logits[:, :, S - 1], precision=jax.lax.Precision.HIGHEST)
-    seg_ids = np.zeros((b, S), np.int32)
-    for r in range(b):
-        seg_ids[r, :part[r]] = ids_c[r, full[r] * S:lengths[r]]
+    state = _prompt_state(model, ids_c, start, schedule)
+    window = _window_rows(ids_c, start, lengths, 2 * S)
     prefill, step, commit = _compiled(model, *req.static_key)
-    logits, cache = prefill(params, state, put_batch(seg_ids, mesh), put_batch(part, mesh), last_full)
+    logits, cache = prefill(params, state, put_batch(window, mesh), put_batch(lengths - start, mesh))
 
     def run(carry, logits, key, done, i):
-        state, cache, seg_ids, pos, first = carry  # pos [B]: next slot in the current segment
-        tok, done, logits, cache, seg_ids = step(params, state, cache, seg_ids, put_batch(pos.astype(np.int32), mesh),
-                                                 logits, key, done)
+        state, cache, window, pos, opened, first = carry  # pos [B]: next slot; opened [B]: in the first window
+        tok, done, logits, cache, window = step(params, state, cache, window, put_batch(pos.astype(np.int32), mesh),
+                                                logits, key, done)
         pos = pos + 1
-        filled = pos == S
-        if filled.any() and i + 1 < req.max_new_tokens:  # commit full segments: write memory, restart cache
-            state, cache = commit(params, state, cache, seg_ids, put_batch(filled, mesh), put_batch(first, mesh))
-            first, pos = first & ~filled, np.where(filled, 0, pos)
-        return tok, done, logits, (state, cache, seg_ids, pos, first)
+        filled = pos == np.where(opened, 2 * S, S)
+        if filled.any() and i + 1 < req.max_new_tokens:  # commit full windows: write memory, restart cache
+            state, cache = commit(params, state, cache, window[:, :S], put_batch(filled, mesh), put_batch(first, mesh))
+            first = first & ~filled
+            if (filled & opened).any():  # the first window holds two segments
+                state, cache = commit(params, state, cache, window[:, S:], put_batch(filled & opened, mesh),
+                                      put_batch(first, mesh))
+            opened, pos = opened & ~filled, np.where(filled, 0, pos)
+        return tok, done, logits, (state, cache, window, pos, opened, first)
 
-    return req.decode(logits, (state, cache, put_batch(seg_ids, mesh), part.copy(), full == 0), run, progress=progress)
+    carry = (state, cache, put_batch(window, mesh), lengths - start, np.ones(len(lengths), bool), start == 0)
+    return req.decode(logits, carry, run, progress=progress)

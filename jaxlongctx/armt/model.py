@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jaxlongctx.armt import stream
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.diagonal import CPUExecution, diagonal_forward
-from jaxlongctx.armt.generation import generate_ids
+from jaxlongctx.armt.generation import generate_ids, generation_logits
 from jaxlongctx.armt.params import MemoryParams
 from jaxlongctx.armt.segments import Segments, compact, segment
 from jaxlongctx.armt.sequential import MemoryState, sequential_forward
@@ -167,6 +167,11 @@ class ARMTModel:
     def generate_ids(self, ids: Any, max_new_tokens: int, **kwargs: Any) -> np.ndarray:
         """Autoregressive generation (called by `jaxlongctx.generate`); extra option `schedule`."""
         return generate_ids(self, ids, max_new_tokens, **kwargs)
+
+    def generation_logits(self, ids: Any, prompt_length: int, schedule: str = "diagonal") -> jnp.ndarray:
+        """Logits `[B, T, V]` of ids `[B, T]` as decoding after their first `prompt_length` tokens
+        computes them (the prompt's last segment stays open; see `jaxlongctx.armt.generation`)."""
+        return generation_logits(self, ids, prompt_length, schedule)
 
     # --- memory accounting ----------------------------------------------------------------------
     def state_bytes(self, batch: int = 1) -> int:

@@ -301,7 +301,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "freeze_base": args.freeze_base, "num_facts": list(facts), "follow_ups": args.follow_ups, "resumed": resumed,
         "train_wall_s": trainer.history["wall_s"][-1], "this_session_wall_s": time.perf_counter() - t0,
         "final_loss": trainer.history["loss"][-1],
-        "accuracy": [retrieval_accuracy(armt, n, args.eval_samples, num_facts=facts[1],
+        "accuracy": [retrieval_accuracy(armt.generation_logits, n, args.eval_samples, num_facts=facts[1],
                                         segment_size=cfg.segment_size)
                      for n in _int_list(args.eval_lengths, "--eval-lengths")],
     }

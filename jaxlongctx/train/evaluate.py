@@ -88,29 +88,28 @@ def answer_inputs(ids: np.ndarray, answer_ids: np.ndarray) -> np.ndarray:
     return np.concatenate([ids, answer_ids[:, :-1]], axis=1).astype(np.int32)
 
 
-def retrieval_accuracy(model: Callable[[np.ndarray], jnp.ndarray], length: int, samples: int, batch_size: int = 1,
-                       num_facts: int = 4, segment_size: int | None = None) -> dict[str, float | None]:
+def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: int, samples: int,
+                       batch_size: int = 1, num_facts: int = 4, segment_size: int | None = None
+                       ) -> dict[str, float | None]:
     """Greedy exact-match and per-digit accuracy on held-out haystack prompts of `length` tokens
     (teacher-forced argmax: all digits right under teacher forcing == greedy decode right).
 
-    With `segment_size` (ARMT), also split the samples: `in_segment_*` where the asked fact starts in
-    the segment of every position that predicts an answer digit (attention can see it), and
-    `from_memory_*` for the rest (some digit can only come through the memory); an empty split is None.
+    `model(ids, prompt_length)` gives the logits `[B, T, V]` that decoding after the first
+    `prompt_length` tokens of ids computes (a full-attention model ignores the length; ARMT:
+    `ARMTModel.generation_logits`). With `segment_size` (ARMT), also split the samples: `in_segment_*`
+    where the asked fact lies in the decoding window (the prompt's last segment, in view of every answer
+    digit) and `from_memory_*` for the rest (facts only the memory can bring); an empty split is None.
     `by_depth` splits the samples by the asked fact's relative position in the prompt, in quarters
     (depth 0 = the first token, far from the question).
     """
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
     tokenizer = load_default_tokenizer()
-    if segment_size is not None:  # answer digits are predicted at positions length - 1 .. length + 2
-        last_segment = (length - 1) // segment_size
-        answer_in_one_segment = (length + CODE_DIGITS - 2) // segment_size == last_segment
     hits, asked = [], []
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
         raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts)
-        ids = answer_inputs(raw["ids"], raw["answer_ids"])
-        logits = model(ids)  # B T V
+        logits = model(answer_inputs(raw["ids"], raw["answer_ids"]), length)  # B T V
         pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
         hits.append(pred == raw["answer_ids"])
         asked.append(raw["fact_positions"][np.arange(b), raw["target_fact"]])
@@ -118,7 +117,7 @@ def retrieval_accuracy(model: Callable[[np.ndarray], jnp.ndarray], length: int, 
     out = {"length": length, "samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
            "digit_accuracy": float(hit.mean()), "by_depth": _by_depth(hit, fact_at / length)}
     if segment_size is not None:
-        where = (fact_at // segment_size == last_segment) & answer_in_one_segment
+        where = fact_at >= (length - 1) // segment_size * segment_size  # in the decoding window
         for name, rows in (("in_segment", where), ("from_memory", ~where)):
             out.update({f"{name}_{key}": value for key, value in _scores(hit[rows]).items()})
     return out
