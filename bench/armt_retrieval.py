@@ -47,7 +47,7 @@ def main() -> None:
         armt_plan = [(n, 8) for n in (512, 1024, 2048, 4096)]
     else:
         full = [(512, 64), (1024, 32), (2048, 16), (4096, 8), (8192, 4)]
-        armt_plan = [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 128), (16384, 32), (32768, 32)]
+        armt_plan = [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 128), (16384, 32), (32768, 32), (65536, 16)]
 
     def armt_diagonal(ids, prompt_length):  # the logits decoding computes (prompt's last segment kept open)
         return armt.generation_logits(ids, prompt_length, schedule="diagonal")
