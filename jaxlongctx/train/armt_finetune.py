@@ -77,7 +77,8 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     boundaries in every way they can when a user's prompt is cut into segments. In addition, about
     `boundary_fraction` of the samples (where T spans 2 segments or more) have a prompt of whole
     segments: the answer's later digits are then predicted in a new segment that holds no question,
-    only the memory, as when a prompt of 16K tokens is answered. About `far_fraction` of the samples
+    only the memory. (Decoding keeps the prompt's last segment open, so it meets this case only when
+    an answer outgrows that window.) About `far_fraction` of the samples
     put the asked fact in the first fifth of the filler, so that the memory must carry it across
     nearly every segment of the sample (otherwise its depth is uniform). `num_facts` is a count, or a
     range `(lo, hi)` from which each sample draws its own count uniformly.
@@ -173,7 +174,7 @@ def retrieval_loss(logits: jnp.ndarray, batch: dict[str, jnp.ndarray], lm_weight
 
 def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, stages: list[Stage],
                  num_facts: int | tuple[int, int] = 1, lm_weight: float = 1.0, freeze_base: bool = False, seed: int = 0,
-                 boundary_fraction: float = 0.25, far_fraction: float = 0.0, follow_ups: bool = False) -> Trainer:
+                 boundary_fraction: float = 0.0, far_fraction: float = 0.0, follow_ups: bool = False) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
     params, and the base weights unless `freeze_base`)."""
     tokenizer = load_default_tokenizer()
@@ -218,9 +219,10 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-facts", default="1",
                         help="facts per sample, N or a range LO-HI drawn per sample (default 1); the final "
                              "accuracy check uses the largest count")
-    parser.add_argument("--boundary-fraction", type=float, default=0.25,
-                        help="share of samples whose prompt is whole segments, so that the answer starts a new "
-                             "segment (default 0.25)")
+    parser.add_argument("--boundary-fraction", type=float, default=0.0,
+                        help="share of samples whose prompt is whole segments, so that in training the answer "
+                             "starts a new segment; decoding keeps the prompt's last segment open, so it meets "
+                             "this only when an answer outgrows that window (default 0)")
     parser.add_argument("--far-fraction", type=float, default=0.0,
                         help="share of samples whose asked fact lies in the first fifth of the filler, so the memory "
                              "must keep it across almost the whole sample (default 0: uniform depth)")
