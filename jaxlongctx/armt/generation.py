@@ -146,7 +146,11 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
     parts.append(fns["window"](model.params, state, put_batch(window, mesh),
                                put_batch(np.full(b, stop - start, np.int32), mesh))[:, :stop - start])
     if t > stop:  # the window was committed as two segments: plain segments from here on
-        parts.append(model(ids, schedule=schedule)[:, stop:])
+        segs = segment(ids[:, start:], np.full(b, t - start), S)
+        segs = segs._replace(first=segs.first & (start == 0))  # continues the prompt's memory
+        _, rest = model.run_segments(model.params, segs, schedule, state)  # nS B S V
+        rest = jnp.swapaxes(rest, 0, 1).reshape(b, -1, rest.shape[-1])
+        parts.append(rest[:, stop - start:t - start])
     return jnp.concatenate(parts, axis=1)
 
 
