@@ -103,6 +103,11 @@ def _compiled(model: Any, sampler: tuple, eos: tuple, pad_id: int):
     return cache[key]
 
 
+def window_start(prompt_length: Any, segment_size: int) -> Any:
+    """Where decoding's window opens: the start of the prompt's last segment (int or array of lengths >= 1)."""
+    return (prompt_length - 1) // segment_size * segment_size
+
+
 def _prompt_state(model: Any, ids: np.ndarray, lengths: np.ndarray, schedule: str) -> MemoryState:
     """Memory after the segments of left-aligned rows `ids [B, T]` cut at `lengths [B]` (multiples of S)."""
     if lengths.max() == 0:
@@ -130,7 +135,7 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
             or not 1 <= prompt_length <= t:
         raise ValueError(f"prompt_length must be an integer in [1, {t}] (the ids' length), got {prompt_length!r}")
     S = model.armt.segment_size
-    start = (int(prompt_length) - 1) // S * S
+    start = window_start(int(prompt_length), S)
     stop = min(t, start + 2 * S)
     parts = []
     if start:
@@ -167,7 +172,7 @@ def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: floa
     req = Request.parse(model.config, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, eos_id=eos_id, attention_mask=attention_mask)
     ids_c, lengths, _ = compact(req.ids, req.mask)
-    start = (lengths - 1) // S * S  # B: where each row's window opens (every row has a real token)
+    start = window_start(lengths, S)  # B (every row has a real token)
     params, mesh = model.params, model.base.mesh
     state = _prompt_state(model, ids_c, start, schedule)
     window = _window_rows(ids_c, start, lengths, 2 * S)

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxlongctx.armt.generation import window_start
 from jaxlongctx.data.haystack import CODE_DIGITS, eval_seed, make_batch
 from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
 from jaxlongctx.model.attention import causal_prefill_attention
@@ -117,7 +118,7 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     out = {"length": length, "samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
            "digit_accuracy": float(hit.mean()), "by_depth": _by_depth(hit, fact_at / length)}
     if segment_size is not None:
-        where = fact_at >= (length - 1) // segment_size * segment_size  # in the decoding window
+        where = fact_at >= window_start(length, segment_size)  # in the decoding window
         for name, rows in (("in_segment", where), ("from_memory", ~where)):
             out.update({f"{name}_{key}": value for key, value in _scores(hit[rows]).items()})
     return out
