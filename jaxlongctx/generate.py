@@ -139,7 +139,7 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
 
     Rows stop independently at `eos_id` (default: the config's eos) and are then filled with it.
     kv_cache="pq" decodes over a product-quantized cache (`codebooks`, see jaxlongctx.pq_generate).
-    `timings` (a dict, full-attention models) receives `prefill_s`, `decode_s` and `decode_steps`.
+    `timings` (a dict) receives `prefill_s`, `decode_s` and `decode_steps`.
     """
     if kv_cache != "dense":  # checks kv_cache, the model (no ARMT) and the codebooks
         from jaxlongctx.pq_generate import generate_pq
@@ -150,7 +150,8 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
                            timings=timings)
     if hasattr(model, "generate_ids"):  # models with their own decoding (e.g. ARMT) plug in here
         return model.generate_ids(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress)
+                                  seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress,
+                                  timings=timings)
     if not isinstance(model, Model):
         raise ValueError(f"generate() needs a jaxlongctx Model, got {type(model).__name__}")
     req = Request.parse(model.config, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -71,7 +71,10 @@ def test_greedy_generation_equals_repeated_generation_logits():
     got = {s: armt.generate_ids(ids, new, attention_mask=mask, schedule=s, eos_id=-1)
            for s in ("diagonal", "sequential")}
     np.testing.assert_array_equal(got["diagonal"], got["sequential"])
-    np.testing.assert_array_equal(generate(armt, ids, new, attention_mask=mask, eos_id=-1), got["diagonal"])
+    timings = {}
+    np.testing.assert_array_equal(generate(armt, ids, new, attention_mask=mask, eos_id=-1, timings=timings),
+                                  got["diagonal"])
+    assert timings["decode_steps"] == new and timings["prefill_s"] > 0 and timings["decode_s"] > 0
     for r, n in enumerate(lengths):
         seq = list(ids[r, :n])
         for _ in range(new):

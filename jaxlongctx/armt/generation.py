@@ -9,6 +9,7 @@ whole sequence, so that greedy decoding equals its repeated argmax.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any
 
@@ -162,10 +163,12 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
 def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  eos_id: int | list[int] | None = None, attention_mask: Any = None,
-                 progress: bool = False, schedule: str = "diagonal") -> np.ndarray:
+                 progress: bool = False, schedule: str = "diagonal", timings: dict | None = None) -> np.ndarray:
     """Generate `max_new_tokens` after `ids [B, T]` (pads anywhere, per `attention_mask`); returns
     ids `[B, T + new]`. The prompt's segments but its last run through `schedule`; decoding reads the
-    memory only, in the window opened by the prompt's last segment (see the module docstring)."""
+    memory only, in the window opened by the prompt's last segment (see the module docstring).
+    `timings` (a dict) receives `prefill_s` (prompt segments and window), `decode_s` and `decode_steps`
+    (window commits included)."""
     if schedule not in ("diagonal", "sequential"):
         raise ValueError(f"schedule must be 'diagonal' or 'sequential', got {schedule!r}")
     S = model.armt.segment_size
@@ -174,10 +177,14 @@ def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: floa
     ids_c, lengths, _ = compact(req.ids, req.mask)
     start = window_start(lengths, S)  # B (every row has a real token)
     params, mesh = model.params, model.base.mesh
+    prefill, step, commit = _compiled(model, *req.static_key)
+    t0 = time.perf_counter()
     state = _prompt_state(model, ids_c, start, schedule)
     window = _window_rows(ids_c, start, lengths, 2 * S)
-    prefill, step, commit = _compiled(model, *req.static_key)
-    logits, cache = prefill(params, state, put_batch(window, mesh), put_batch(lengths - start, mesh))
+    logits, cache = jax.block_until_ready(
+        prefill(params, state, put_batch(window, mesh), put_batch(lengths - start, mesh)))
+    if timings is not None:
+        timings["prefill_s"] = time.perf_counter() - t0
 
     def run(carry, logits, key, done, i):
         state, cache, window, pos, opened, first = carry  # pos [B]: next slot; opened [B]: in the first window
@@ -195,4 +202,4 @@ def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: floa
         return tok, done, logits, (state, cache, window, pos, opened, first)
 
     carry = (state, cache, put_batch(window, mesh), lengths - start, np.ones(len(lengths), bool), start == 0)
-    return req.decode(logits, carry, run, progress=progress)
+    return req.decode(logits, carry, run, progress=progress, timings=timings)
