@@ -1,6 +1,6 @@
 """Haystack retrieval accuracy vs context length: ARMT (diagonal schedule) vs full attention.
 
-    python bench/armt_retrieval.py [--quick] [--armt-ckpt DIR] [--base DIR] [--num-facts 1,4]
+    python bench/armt_retrieval.py [--quick] [--armt-ckpt DIR] [--base DIR] [--num-facts 1,2,4]
 
 Held-out samples (evaluation seeds); exact match and per-digit accuracy of the 4-digit answer
 (teacher-forced argmax, equivalent to greedy decoding being right), with the chance levels; ARMT
@@ -9,8 +9,9 @@ runs once per fact count (row `armt_{n}_facts`): with one fact the memory only h
 with several it must keep which code belongs to which subject and answer the asked one. Full
 attention runs on the largest count, twice: the pretrained base model, and the ARMT model's own
 fine-tuned weights without the memory. ARMT rows also split the samples by whether the answer
-needed the memory, and by how deep in the prompt the asked fact lies (a third panel plots exact
-match against that depth for the largest count). Writes bench/results/armt_retrieval.{json,png}.
+needed the memory, by how deep in the prompt the asked fact lies (a third panel plots exact
+match against that depth for the largest count) and by whether another fact's subject shares a
+word with the asked one; they count answers that are another fact's code. Writes bench/results/armt_retrieval.{json,png}.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="lengths 512..4K, 8 samples each")
     p.add_argument("--armt-ckpt", default=str(ARMT_MODEL))
     p.add_argument("--base", default=str(BASE_MODEL))
-    p.add_argument("--num-facts", default="1,4", help="comma-separated fact counts for ARMT (default 1,4)")
+    p.add_argument("--num-facts", default="1,2,4", help="comma-separated fact counts for ARMT (default 1,2,4)")
     args = p.parse_args()
     counts = sorted({int(n) for n in args.num_facts.split(",")})
     most = counts[-1]

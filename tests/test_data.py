@@ -222,6 +222,13 @@ def test_batch(tok):
     assert batch["fact_positions"].shape == (4, 4) and batch["target_fact"].shape == (4,)
     single = make_sample(np.random.default_rng([3, 2]), 1024, tok)
     np.testing.assert_array_equal(batch["ids"][2], single.ids)
+    assert batch["fact_answer_ids"].shape == (4, 4, CODE_DIGITS)
+    np.testing.assert_array_equal(batch["fact_answer_ids"][2, single.target_fact], single.answer_ids)
+    assert [tok.decode(list(map(int, code))) for code in batch["fact_answer_ids"][2]] == list(single.codes)
+    subjects = [s.split() for s in single.subjects]
+    asked = subjects[single.target_fact]
+    expected = any(w in asked for k, other in enumerate(subjects) if k != single.target_fact for w in other)
+    assert batch["shares_word"][2] == expected
     again = make_batch(3, 4, 1024, tok)
     assert all(np.array_equal(batch[k], again[k]) for k in batch)
     with pytest.raises(ValueError, match="batch"):

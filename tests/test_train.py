@@ -328,3 +328,28 @@ def test_retrieval_accuracy_by_fact_depth():
     assert depth[0]["exact_match"] == 0.0 and depth[3]["exact_match"] == 1.0
     assert depth[1]["exact_match"] in (None, 0.0)
     assert out["exact_match"] == sum(d["samples"] * (d["exact_match"] or 0) for d in depth) / 16
+
+
+def test_retrieval_accuracy_counts_answers_with_another_facts_code():
+    from jaxlongctx.data.haystack import eval_seed, make_batch
+    from jaxlongctx.train.evaluate import retrieval_accuracy
+
+    length, samples, batch_size = 512, 12, 4
+    batches = [make_batch(eval_seed(i), batch_size, length, load_default_tokenizer())
+               for i in range(0, samples, batch_size)]
+
+    def first_fact_answerer(ids, prompt_length):  # always answers the code of the prompt's first fact
+        raw = next(b for b in batches if np.array_equal(b["ids"], ids[:, :prompt_length]))
+        logits = np.zeros((*ids.shape, 4096), np.float32)
+        for d in range(CODE_DIGITS):
+            logits[np.arange(len(ids)), prompt_length - 1 + d, raw["fact_answer_ids"][:, 0, d]] = 1.0
+        return logits
+
+    out = retrieval_accuracy(first_fact_answerer, length, samples, batch_size=batch_size)
+    target = np.concatenate([b["target_fact"] for b in batches])
+    shared = np.concatenate([b["shares_word"] for b in batches])
+    assert 0 < (target == 0).sum() < samples and 0 < shared.sum() < samples  # both cases occur
+    assert out["exact_match"] == (target == 0).mean()
+    assert out["other_fact_rate"] == (target != 0).mean()
+    assert out["shared_word_samples"] == shared.sum() and out["distinct_words_samples"] == samples - shared.sum()
+    assert out["shared_word_exact_match"] == (target[shared] == 0).mean()

@@ -194,16 +194,30 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
 
 def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer,
                num_facts: int = 4, target_depth: float | None = None) -> dict[str, np.ndarray]:
-    """Stacked samples; sample i is ``make_sample(np.random.default_rng([seed, i]), ...)``."""
+    """Stacked samples; sample i is ``make_sample(np.random.default_rng([seed, i]), ...)``.
+
+    Besides the prompt (``ids``), answer, fact offsets and asked fact's index, it holds every fact's
+    code digits in position order (``fact_answer_ids`` ``[B, F, CODE_DIGITS]``) and whether the asked
+    subject shares a word with another fact's (``shares_word`` ``[B]``).
+    """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     samples = [make_sample(np.random.default_rng([seed, i]), length_tokens, tokenizer,
                            num_facts=num_facts, target_depth=target_depth) for i in range(batch)]
+    digit_ids = _resources(tokenizer).digit_ids
     return {
         "ids": np.stack([s.ids for s in samples]),
         "answer_ids": np.stack([s.answer_ids for s in samples]),
         "fact_positions": np.stack([s.fact_positions for s in samples]),
         "target_fact": np.array([s.target_fact for s in samples], dtype=np.int32),
+        "fact_answer_ids": np.stack([[digit_ids[[int(d) for d in c]] for c in s.codes] for s in samples]),
+        "shares_word": np.array([shares_word(s) for s in samples]),
     }
+
+
+def shares_word(sample: HaystackSample) -> bool:
+    """Whether another fact's subject has the asked subject's colour or object ("blue box", "blue jar")."""
+    asked = set(sample.subjects[sample.target_fact].split())
+    return any(asked & set(s.split()) for k, s in enumerate(sample.subjects) if k != sample.target_fact)

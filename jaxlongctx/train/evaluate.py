@@ -101,12 +101,14 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     where the asked fact lies in the decoding window (the prompt's last segment, in view of every answer
     digit) and `from_memory_*` for the rest (facts only the memory can bring); an empty split is None.
     `by_depth` splits the samples by the asked fact's relative position in the prompt, in quarters
-    (depth 0 = the first token, far from the question).
+    (depth 0 = the first token, far from the question). `shared_word_*` / `distinct_words_*` split
+    them by whether another fact's subject shares the asked subject's colour or object, and
+    `other_fact_rate` is the share of samples answered with another fact's whole code.
     """
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
     tokenizer = load_default_tokenizer()
-    hits, asked = [], []
+    hits, asked, shared, other = [], [], [], []
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
         raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts)
@@ -114,9 +116,16 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
         hits.append(pred == raw["answer_ids"])
         asked.append(raw["fact_positions"][np.arange(b), raw["target_fact"]])
-    hit, fact_at = np.concatenate(hits), np.concatenate(asked)  # N CODE_DIGITS, N
+        shared.append(raw["shares_word"])
+        is_code = (pred[:, None] == raw["fact_answer_ids"]).all(axis=-1)  # B F: pred is fact f's code
+        is_code[np.arange(b), raw["target_fact"]] = False
+        other.append(is_code.any(axis=1) & (pred != raw["answer_ids"]).any(axis=1))
+    hit, fact_at, shared = np.concatenate(hits), np.concatenate(asked), np.concatenate(shared)  # N D, N, N
     out = {"length": length, "samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
-           "digit_accuracy": float(hit.mean()), "by_depth": _by_depth(hit, fact_at / length)}
+           "digit_accuracy": float(hit.mean()), "by_depth": _by_depth(hit, fact_at / length),
+           "other_fact_rate": float(np.concatenate(other).mean())}
+    for name, rows in (("shared_word", shared), ("distinct_words", ~shared)):
+        out.update({f"{name}_{key}": value for key, value in _scores(hit[rows]).items()})
     if segment_size is not None:
         where = fact_at >= window_start(length, segment_size)  # in the decoding window
         for name, rows in (("in_segment", where), ("from_memory", ~where)):
