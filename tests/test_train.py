@@ -349,7 +349,7 @@ def test_retrieval_accuracy_counts_answers_with_another_facts_code():
     target = np.concatenate([b["target_fact"] for b in batches])
     shared = np.concatenate([b["shares_word"] for b in batches])
     assert 0 < (target == 0).sum() < samples and 0 < shared.sum() < samples  # both cases occur
-    assert out["exact_match"] == (target == 0).mean()
+    assert out["num_facts"] == 4 and out["exact_match"] == (target == 0).mean()
     assert out["other_fact_rate"] == (target != 0).mean()
     assert out["shared_word_samples"] == shared.sum() and out["distinct_words_samples"] == samples - shared.sum()
     assert out["shared_word_exact_match"] == (target[shared] == 0).mean()
