@@ -11,7 +11,8 @@ attention runs on the largest count, twice: the pretrained base model, and the A
 fine-tuned weights without the memory. ARMT rows also split the samples by whether the answer
 needed the memory, by how deep in the prompt the asked fact lies (a third panel plots exact
 match against that depth for the largest count) and by whether another fact's subject shares a
-word with the asked one; they count answers that are another fact's code. Writes bench/results/armt_retrieval.{json,png}.
+word with the asked one; they count answers that are another fact's code. Writes
+bench/results/armt_retrieval.{json,png}.
 """
 
 from __future__ import annotations
