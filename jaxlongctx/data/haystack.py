@@ -86,7 +86,12 @@ def follow_up_ids(sample: HaystackSample, fact: int, tokenizer: Tokenizer) -> tu
     ``"." + question`` (int32 ``[Q]``), and that fact's code digits (int32 ``[CODE_DIGITS]``)."""
     res = _resources(tokenizer)
     ids = np.concatenate([_encode(tokenizer, "."), _encode(tokenizer, question_text(sample.subjects[fact]))])
-    return ids, res.digit_ids[[int(d) for d in sample.codes[fact]]]
+    return ids, _code_ids(res, sample.codes[fact])
+
+
+def _code_ids(res: _Resources, code: str) -> np.ndarray:
+    """Token ids `[CODE_DIGITS]` of a code's digits ("4711")."""
+    return res.digit_ids[[int(d) for d in code]]
 
 
 def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
@@ -162,7 +167,7 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
     codes = ["".join(map(str, rng.integers(0, 10, size=CODE_DIGITS))) for _ in subjects]
     period = _encode(tokenizer, ".")
     fact_ids = [np.concatenate([_encode(tokenizer, f" The code of the {s} is "),
-                                res.digit_ids[[int(d) for d in c]], period])
+                                _code_ids(res, c), period])
                 for s, c in zip(subjects, codes)]
     facts = [f" The code of the {s} is {c}." for s, c in zip(subjects, codes)]
     question = question_text(subjects[0])
@@ -185,7 +190,7 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
         prev = point
     parts += [filler[prev:], question_ids]
     return HaystackSample(
-        ids=np.concatenate(parts), answer_ids=res.digit_ids[[int(d) for d in codes[0]]],
+        ids=np.concatenate(parts), answer_ids=_code_ids(res, codes[0]),
         answer=codes[0], question=question, facts=tuple(facts[k] for k in order),
         fact_positions=np.array(positions, dtype=np.int32), target_fact=target,
         subjects=tuple(subjects[k] for k in order), codes=tuple(codes[k] for k in order),
@@ -206,13 +211,13 @@ def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer,
         raise ValueError(f"seed must be >= 0, got {seed}")
     samples = [make_sample(np.random.default_rng([seed, i]), length_tokens, tokenizer,
                            num_facts=num_facts, target_depth=target_depth) for i in range(batch)]
-    digit_ids = _resources(tokenizer).digit_ids
+    res = _resources(tokenizer)
     return {
         "ids": np.stack([s.ids for s in samples]),
         "answer_ids": np.stack([s.answer_ids for s in samples]),
         "fact_positions": np.stack([s.fact_positions for s in samples]),
         "target_fact": np.array([s.target_fact for s in samples], dtype=np.int32),
-        "fact_answer_ids": np.stack([[digit_ids[[int(d) for d in c]] for c in s.codes] for s in samples]),
+        "fact_answer_ids": np.stack([[_code_ids(res, c) for c in s.codes] for s in samples]),
         "shares_word": np.array([shares_word(s) for s in samples]),
     }
 
