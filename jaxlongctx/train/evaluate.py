@@ -124,12 +124,12 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     out = {"length": length, "num_facts": num_facts, "samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
            "digit_accuracy": float(hit.mean()), "by_depth": _by_depth(hit, fact_at / length),
            "other_fact_rate": float(np.concatenate(other).mean())}
-    for name, rows in (("shared_word", shared), ("distinct_words", ~shared)):
-        out.update({f"{name}_{key}": value for key, value in _scores(hit[rows]).items()})
+    splits = [("shared_word", shared), ("distinct_words", ~shared)]
     if segment_size is not None:
         where = fact_at >= window_start(length, segment_size)  # in the decoding window
-        for name, rows in (("in_segment", where), ("from_memory", ~where)):
-            out.update({f"{name}_{key}": value for key, value in _scores(hit[rows]).items()})
+        splits += [("in_segment", where), ("from_memory", ~where)]
+    for name, rows in splits:
+        out.update({f"{name}_{key}": value for key, value in _scores(hit[rows]).items()})
     return out
 
 
