@@ -175,6 +175,30 @@ def test_subjects_unique_within_sample(tok):
     assert len(set(subjects)) == 30
 
 
+def test_shared_word_samples_are_near_misses(tok):
+    colours, objects = [], []
+    for seed in range(20):
+        sample = make_sample(seed, 1024, tok, shared_word=True)
+        _check_sample(sample, tok, 1024, 4)
+        asked = sample.subjects[sample.target_fact].split()
+        others = [s.split() for k, s in enumerate(sample.subjects) if k != sample.target_fact]
+        assert all(o[0] == asked[0] or o[1] == asked[1] for o in others) and haystack.shares_word(sample)
+        colours.append(asked[0])
+        objects.append(asked[1])
+    assert len(set(colours)) > 4 and len(set(objects)) > 4  # the asked subject itself stays random
+    most = haystack.MAX_SHARED_WORD_FACTS
+    full = make_sample(4, 4096, tok, num_facts=most, shared_word=True)
+    asked = full.subjects[full.target_fact].split()
+    assert len(set(full.subjects)) == most and all(asked[0] in s.split() or asked[1] in s.split()
+                                                  for s in full.subjects)
+    again = make_sample(4, 4096, tok, num_facts=most, shared_word=True)
+    assert again.subjects == full.subjects and np.array_equal(again.ids, full.ids)
+    with pytest.raises(ValueError, match="with shared_word"):
+        make_sample(0, 4096, tok, num_facts=most + 1, shared_word=True)
+    batch = make_batch(haystack.eval_seed(0), 6, 512, tok, shared_word=True)
+    assert batch["shares_word"].all()
+
+
 def test_facts_at_different_depths(tok):
     depths = []
     for seed in range(40):

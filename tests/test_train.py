@@ -152,6 +152,17 @@ def test_armt_curriculum_and_answer_positions():
     with pytest.raises(ValueError, match="num_facts"):
         haystack_batch(0, 1, 256, tok, 128, num_facts=(2, 1))
 
+    near = haystack_batch(0, 16, 512, tok, 128, num_facts=(2, 4), shared_word_fraction=0.5)
+    kinds = set()
+    for ids, n in zip(near["ids"], near["lengths"]):
+        text = tok.decode(ids[:n].tolist())
+        asked = re.findall(r"What is the code of the (\w+ \w+)\?", text)[0].split()
+        others = [s.split() for s, _ in _code_pairs(text[:text.index("\nWhat is the code")]) if s.split() != asked]
+        kinds.add(all(asked[0] in o or asked[1] in o for o in others))
+    assert kinds == {True, False}  # about half the samples are near misses
+    with pytest.raises(ValueError, match="shared_word_fraction"):
+        haystack_batch(0, 1, 256, tok, 128, num_facts=1, shared_word_fraction=2.0)
+
     short = haystack_batch(0, 2, 64, load_default_tokenizer(), 128, num_facts=1)  # one padded segment
     assert short["seg_ids"].shape == (1, 2, 128) and short["ids"].shape == (2, 64)
     n = short["lengths"]
@@ -230,9 +241,10 @@ def test_train_armt_runs_its_curriculum_and_saves_a_loadable_model(tmp_path):
              "--curriculum", "256:1:2", "--no-progress"]
     with pytest.raises(ValueError, match="--segment-size only apply with --base"):
         run_train_armt(parser.parse_args(again + ["--segment-size", "64"]))
-    summary = run_train_armt(parser.parse_args(again + ["--follow-ups", "--num-facts", "3"]))
+    summary = run_train_armt(parser.parse_args(again + ["--follow-ups", "--num-facts", "3",
+                                                        "--shared-word-fraction", "0.5"]))
     assert summary["init"] == str(tmp_path / "armt") and summary["armt_config"]["segment_size"] == 128
-    assert summary["follow_ups"] and np.isfinite(summary["final_loss"])
+    assert summary["follow_ups"] and summary["shared_word_fraction"] == 0.5 and np.isfinite(summary["final_loss"])
     further = load(tmp_path / "armt2")
     assert further.armt == armt.armt and float(jnp.abs(further(np.full((1, 200), 5, np.int32)) - out).max()) > 0
     with pytest.raises(SystemExit):  # --base and --init exclude each other
@@ -353,3 +365,6 @@ def test_retrieval_accuracy_counts_answers_with_another_facts_code():
     assert out["other_fact_rate"] == (target != 0).mean()
     assert out["shared_word_samples"] == shared.sum() and out["distinct_words_samples"] == samples - shared.sum()
     assert out["shared_word_exact_match"] == (target[shared] == 0).mean()
+    near = retrieval_accuracy(lambda ids, n: np.zeros((*ids.shape, 4096), np.float32), length, 4, batch_size=2,
+                              shared_word=True)
+    assert near["shared_word_haystack"] and near["shared_word_samples"] == 4 and not out["shared_word_haystack"]

@@ -27,6 +27,7 @@ COLOURS: tuple[str, ...] = ("black", "blue", "brown", "green", "grey", "orange",
 OBJECTS: tuple[str, ...] = ("bag", "book", "bottle", "box", "chest", "door", "drawer",
                             "folder", "jar", "key", "lamp", "safe")
 CODE_DIGITS = 4
+MAX_SHARED_WORD_FACTS = len(COLOURS) + len(OBJECTS) - 1  # the asked subject and all that share a word with it
 
 # Seeds below EVAL_SEED_BASE are for training, seeds from it on are held out for evaluation.
 SEED_SPACE = 2**31
@@ -146,23 +147,40 @@ def _insertion_points(rng: np.random.Generator, mask: np.ndarray, num_facts: int
     return points, int(np.searchsorted(points, target))
 
 
+def _subject_pairs(rng: np.random.Generator, num_facts: int, shared_word: bool) -> np.ndarray:
+    """Distinct (colour, object) pair indices of a sample's subjects; the first is the asked one.
+    With ``shared_word`` every other subject shares the asked one's colour or object."""
+    n_pairs = len(COLOURS) * len(OBJECTS)
+    if not shared_word:
+        return rng.choice(n_pairs, size=num_facts, replace=False)
+    asked = int(rng.integers(n_pairs))
+    colour, obj = divmod(asked, len(OBJECTS))
+    sharing = [p for p in range(n_pairs)
+               if p != asked and (p // len(OBJECTS) == colour or p % len(OBJECTS) == obj)]
+    return np.array([asked, *rng.choice(sharing, size=num_facts - 1, replace=False)], dtype=np.int64)
+
+
 def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, tokenizer: Tokenizer,
-                num_facts: int = 4, target_depth: float | None = None) -> HaystackSample:
+                num_facts: int = 4, target_depth: float | None = None,
+                shared_word: bool = False) -> HaystackSample:
     """A retrieval prompt of exactly ``length_tokens`` tokens (same seed -> same sample).
 
     ``target_depth`` in [0, 1] puts the asked fact at the sentence boundary nearest that
     relative depth of the filler; by default all fact depths are uniformly random.
+    ``shared_word`` makes every other fact a near miss: its subject shares the asked subject's
+    colour or object ("blue box" among "blue jar", "red box"); by default subjects are random.
     """
-    n_pairs = len(COLOURS) * len(OBJECTS)
-    if not 1 <= num_facts <= n_pairs:
-        raise ValueError(f"num_facts must be in [1, {n_pairs}], got {num_facts}")
+    most = MAX_SHARED_WORD_FACTS if shared_word else len(COLOURS) * len(OBJECTS)
+    if not 1 <= num_facts <= most:
+        raise ValueError(f"num_facts must be in [1, {most}]{' with shared_word' if shared_word else ''}, "
+                         f"got {num_facts}")
     if target_depth is not None and not 0.0 <= target_depth <= 1.0:
         raise ValueError(f"target_depth must be in [0, 1], got {target_depth}")
     rng = np.random.default_rng(rng_or_seed)
     res = _resources(tokenizer)
 
     # Fact 0 is the asked one; the pairs are random, so this is no bias.
-    pairs = rng.choice(n_pairs, size=num_facts, replace=False)
+    pairs = _subject_pairs(rng, num_facts, shared_word)
     subjects = [f"{COLOURS[p // len(OBJECTS)]} {OBJECTS[p % len(OBJECTS)]}" for p in pairs]
     codes = ["".join(map(str, rng.integers(0, 10, size=CODE_DIGITS))) for _ in subjects]
     period = _encode(tokenizer, ".")
@@ -197,8 +215,8 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
         filler_tokens=int(filler_size))
 
 
-def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer,
-               num_facts: int = 4, target_depth: float | None = None) -> dict[str, np.ndarray]:
+def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, num_facts: int = 4,
+               target_depth: float | None = None, shared_word: bool = False) -> dict[str, np.ndarray]:
     """Stacked samples; sample i is ``make_sample(np.random.default_rng([seed, i]), ...)``.
 
     Besides the prompt (``ids``), answer, fact offsets and asked fact's index, it holds every fact's
@@ -210,7 +228,8 @@ def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer,
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     samples = [make_sample(np.random.default_rng([seed, i]), length_tokens, tokenizer,
-                           num_facts=num_facts, target_depth=target_depth) for i in range(batch)]
+                           num_facts=num_facts, target_depth=target_depth, shared_word=shared_word)
+               for i in range(batch)]
     res = _resources(tokenizer)
     return {
         "ids": np.stack([s.ids for s in samples]),

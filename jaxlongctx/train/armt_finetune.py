@@ -68,7 +68,8 @@ def stage_per_step(stages: list[Stage]) -> list[Stage]:
 
 def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, segment_size: int,
                    num_facts: int | tuple[int, int], boundary_fraction: float = 0.0,
-                   far_fraction: float = 0.0, follow_ups: bool = False) -> dict[str, np.ndarray]:
+                   far_fraction: float = 0.0, follow_ups: bool = False,
+                   shared_word_fraction: float = 0.0) -> dict[str, np.ndarray]:
     """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
     the supervised answer digits, with `T = total_tokens`.
 
@@ -80,8 +81,10 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     only the memory. (Decoding keeps the prompt's last segment open, so it meets this case only when
     an answer outgrows that window.) About `far_fraction` of the samples
     put the asked fact in the first fifth of the filler, so that the memory must carry it across
-    nearly every segment of the sample (otherwise its depth is uniform). `num_facts` is a count, or a
-    range `(lo, hi)` from which each sample draws its own count uniformly.
+    nearly every segment of the sample (otherwise its depth is uniform). About `shared_word_fraction`
+    of the samples are near misses: every other fact's subject shares the asked subject's colour or
+    object (otherwise subjects are random). `num_facts` is a count, or a range `(lo, hi)` from which
+    each sample draws its own count uniformly.
 
     With `follow_ups`, the answer is followed by questions about the sample's other facts, in random
     order, each with its answer (as many as fit in T), so that one sample supervises up to `hi` answers.
@@ -93,7 +96,8 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     lo, hi = (num_facts, num_facts) if isinstance(num_facts, int) else num_facts
     if not 1 <= lo <= hi:
         raise ValueError(f"num_facts must be >= 1 (a range lo <= hi), got {num_facts}")
-    for name, value in (("boundary_fraction", boundary_fraction), ("far_fraction", far_fraction)):
+    for name, value in (("boundary_fraction", boundary_fraction), ("far_fraction", far_fraction),
+                        ("shared_word_fraction", shared_word_fraction)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
     rng = np.random.default_rng([seed, 1])
@@ -110,7 +114,9 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
         boundary = bool(boundary_fraction) and rng.random() < boundary_fraction
         depth = float(rng.uniform(0.0, 0.2)) if far_fraction and rng.random() < far_fraction else None
         facts = lo if lo == hi else int(rng.integers(lo, hi + 1))
-        make = functools.partial(make_sample, tokenizer=tokenizer, num_facts=facts, target_depth=depth)
+        shared = bool(shared_word_fraction) and rng.random() < shared_word_fraction
+        make = functools.partial(make_sample, tokenizer=tokenizer, num_facts=facts, target_depth=depth,
+                                 shared_word=shared)
         longest = make(np.random.default_rng([seed, i]), total_tokens - tail)  # facts, codes: seed only, not length
         fixed = longest.ids.size - longest.filler_tokens  # <bos>, facts and question
         others = [k for k in range(facts) if k != longest.target_fact]
@@ -174,7 +180,8 @@ def retrieval_loss(logits: jnp.ndarray, batch: dict[str, jnp.ndarray], lm_weight
 
 def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, stages: list[Stage],
                  num_facts: int | tuple[int, int] = 1, lm_weight: float = 1.0, freeze_base: bool = False, seed: int = 0,
-                 boundary_fraction: float = 0.0, far_fraction: float = 0.0, follow_ups: bool = False) -> Trainer:
+                 boundary_fraction: float = 0.0, far_fraction: float = 0.0, follow_ups: bool = False,
+                 shared_word_fraction: float = 0.0) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
     params, and the base weights unless `freeze_base`)."""
     tokenizer = load_default_tokenizer()
@@ -187,7 +194,7 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, st
     def batch_fn(step: int) -> dict[str, np.ndarray]:
         stage = per_step[step]
         return haystack_batch(train_seed(seed * 1_000_000 + step), stage.batch_size, stage.tokens, tokenizer, s,
-                              num_facts, boundary_fraction, far_fraction, follow_ups)
+                              num_facts, boundary_fraction, far_fraction, follow_ups, shared_word_fraction)
 
     def loss_fn(params, frozen, batch):
         full = (frozen, params) if freeze_base else params
@@ -226,6 +233,10 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--far-fraction", type=float, default=0.0,
                         help="share of samples whose asked fact lies in the first fifth of the filler, so the memory "
                              "must keep it across almost the whole sample (default 0: uniform depth)")
+    parser.add_argument("--shared-word-fraction", type=float, default=0.0,
+                        help="share of near-miss samples, whose other facts' subjects all share the asked subject's "
+                             "colour or object (\"blue box\" among \"blue jar\", \"red box\"); default 0: random "
+                             "subjects")
     parser.add_argument("--follow-ups", action="store_true",
                         help="after the answer, ask about each other fact of the sample too (as many as fit), every "
                              "answer supervised: more signal per sample (evaluation always asks one question)")
@@ -287,7 +298,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     optim = OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=steps, weight_decay=0.0)
     tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress)
     trainer = armt_trainer(armt, optim, tcfg, stages, facts, args.lm_weight, args.freeze_base, args.seed,
-                           args.boundary_fraction, args.far_fraction, args.follow_ups)
+                           args.boundary_fraction, args.far_fraction, args.follow_ups, args.shared_word_fraction)
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
     trainer.run()
@@ -300,6 +311,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "curriculum": [dataclasses.asdict(stage) for stage in stages], "lm_weight": args.lm_weight,
         "boundary_fraction": args.boundary_fraction, "far_fraction": args.far_fraction,
+        "shared_word_fraction": args.shared_word_fraction,
         "freeze_base": args.freeze_base, "num_facts": list(facts), "follow_ups": args.follow_ups, "resumed": resumed,
         "train_wall_s": trainer.history["wall_s"][-1], "this_session_wall_s": time.perf_counter() - t0,
         "final_loss": trainer.history["loss"][-1],

@@ -90,8 +90,8 @@ def answer_inputs(ids: np.ndarray, answer_ids: np.ndarray) -> np.ndarray:
 
 
 def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: int, samples: int,
-                       batch_size: int = 1, num_facts: int = 4, segment_size: int | None = None
-                       ) -> dict[str, float | None]:
+                       batch_size: int = 1, num_facts: int = 4, segment_size: int | None = None,
+                       shared_word: bool = False) -> dict[str, float | None]:
     """Greedy exact-match and per-digit accuracy on held-out haystack prompts of `length` tokens
     (teacher-forced argmax: all digits right under teacher forcing == greedy decode right).
 
@@ -103,7 +103,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     `by_depth` splits the samples by the asked fact's relative position in the prompt, in quarters
     (depth 0 = the first token, far from the question). `shared_word_*` / `distinct_words_*` split
     them by whether another fact's subject shares the asked subject's colour or object, and
-    `other_fact_rate` is the share of samples answered with another fact's whole code.
+    `other_fact_rate` is the share of samples answered with another fact's whole code. With
+    `shared_word` every sample is a near miss (`make_sample(shared_word=True)`).
     """
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
@@ -111,7 +112,7 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     hits, asked, shared, other = [], [], [], []
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
-        raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts)
+        raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts, shared_word=shared_word)
         logits = model(answer_inputs(raw["ids"], raw["answer_ids"]), length)  # B T V
         pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
         hits.append(pred == raw["answer_ids"])
@@ -121,7 +122,7 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         is_code[np.arange(b), raw["target_fact"]] = False
         other.append(is_code.any(axis=1) & (pred != raw["answer_ids"]).any(axis=1))
     hit, fact_at, shared = np.concatenate(hits), np.concatenate(asked), np.concatenate(shared)  # N D, N, N
-    out = {"length": length, "num_facts": num_facts, "samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
+    out = {"length": length, "num_facts": num_facts, "shared_word_haystack": shared_word, "samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
            "digit_accuracy": float(hit.mean()), "by_depth": _by_depth(hit, fact_at / length),
            "other_fact_rate": float(np.concatenate(other).mean())}
     splits = [("shared_word", shared), ("distinct_words", ~shared)]
