@@ -11,8 +11,9 @@ attention runs on the largest count, twice: the pretrained base model, and the A
 fine-tuned weights without the memory. ARMT rows also split the samples by whether the answer
 needed the memory, by how deep in the prompt the asked fact lies (a third panel plots exact
 match against that depth for the largest count) and by whether another fact's subject shares a
-word with the asked one; they count answers that are another fact's code. Writes
-bench/results/armt_retrieval.{json,png}.
+word with the asked one; they count answers that are another fact's code. A last ARMT row
+(`armt_{n}_facts_near_miss`, the largest count if above 1) asks only near misses: every other fact's
+subject shares the asked subject's colour or object. Writes bench/results/armt_retrieval.{json,png}.
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ def main() -> None:
     if args.quick:
         full = [(n, 8) for n in (512, 2048)]
         armt_plan = [(n, 8) for n in (512, 1024, 2048, 4096)]
+        near_miss_plan = [(n, 8) for n in (512, 2048)]
     else:
         full = [(512, 64), (1024, 32), (2048, 16), (4096, 8), (8192, 4)]
         armt_plan = [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 128), (16384, 32), (32768, 32), (65536, 16)]
+        near_miss_plan = [(1024, 64), (4096, 64), (16384, 32), (65536, 16)]
 
     def armt_diagonal(ids, prompt_length):  # the logits decoding computes (prompt's last segment kept open)
         return armt.generation_logits(ids, prompt_length, schedule="diagonal")
@@ -57,15 +60,19 @@ def main() -> None:
     def full_attention(model):
         return lambda ids, prompt_length: model(ids)
 
-    # row -> (model, its segment size or None, facts, [(length, samples)])
-    runs = {f"armt_{n}_facts": (armt_diagonal, armt.armt.segment_size, n, armt_plan) for n in counts}
-    runs.update({"full_attention": (full_attention(base), None, most, full),
-                 "full_attention_finetuned": (full_attention(armt.base), None, most, full)})
+    # row -> (model, its segment size or None, facts, near misses only, [(length, samples)])
+    segment = armt.armt.segment_size
+    runs = {f"armt_{n}_facts": (armt_diagonal, segment, n, False, armt_plan) for n in counts}
+    if most > 1:  # with one fact there is nothing to miss
+        runs[f"armt_{most}_facts_near_miss"] = (armt_diagonal, segment, most, True, near_miss_plan)
+    runs.update({"full_attention": (full_attention(base), None, most, False, full),
+                 "full_attention_finetuned": (full_attention(armt.base), None, most, False, full)})
     rows: dict[str, list[dict]] = {name: [] for name in runs}
-    for name, (model, segment_size, facts, sizes) in runs.items():
+    for name, (model, segment_size, facts, near_miss, sizes) in runs.items():
         for length, samples in sizes:
             t0 = time.perf_counter()
-            r = retrieval_accuracy(model, length, samples, num_facts=facts, segment_size=segment_size)
+            r = retrieval_accuracy(model, length, samples, num_facts=facts, segment_size=segment_size,
+                                   shared_word=near_miss)
             r["wall_s"] = time.perf_counter() - t0
             rows[name].append(r)
             print(name, r, flush=True)
