@@ -159,7 +159,7 @@ def test_armt_curriculum_and_answer_positions():
         asked = re.findall(r"What is the code of the (\w+ \w+)\?", text)[0].split()
         others = [s.split() for s, _ in _code_pairs(text[:text.index("\nWhat is the code")]) if s.split() != asked]
         kinds.add(all(asked[0] in o or asked[1] in o for o in others))
-    assert kinds == {True, False}  # about half the samples are near misses
+    assert kinds == {True, False}  # near misses and samples with random subjects both occur
     with pytest.raises(ValueError, match="shared_word_fraction"):
         haystack_batch(0, 1, 256, tok, 128, num_facts=1, shared_word_fraction=2.0)
 

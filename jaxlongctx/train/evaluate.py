@@ -122,9 +122,9 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         is_code[np.arange(b), raw["target_fact"]] = False
         other.append(is_code.any(axis=1) & (pred != raw["answer_ids"]).any(axis=1))
     hit, fact_at, shared = np.concatenate(hits), np.concatenate(asked), np.concatenate(shared)  # N D, N, N
-    out = {"length": length, "num_facts": num_facts, "shared_word_haystack": shared_word, "samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
-           "digit_accuracy": float(hit.mean()), "by_depth": _by_depth(hit, fact_at / length),
-           "other_fact_rate": float(np.concatenate(other).mean())}
+    out = {"length": length, "num_facts": num_facts, "shared_word_haystack": shared_word, "samples": len(hit),
+           "exact_match": float(hit.all(axis=1).mean()), "digit_accuracy": float(hit.mean()),
+           "by_depth": _by_depth(hit, fact_at / length), "other_fact_rate": float(np.concatenate(other).mean())}
     splits = [("shared_word", shared), ("distinct_words", ~shared)]
     if segment_size is not None:
         where = fact_at >= window_start(length, segment_size)  # in the decoding window
