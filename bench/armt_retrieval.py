@@ -13,12 +13,16 @@ needed the memory, by how deep in the prompt the asked fact lies (a third panel 
 match against that depth for the largest count) and by whether another fact's subject shares a
 word with the asked one; they count answers that are another fact's code. A last ARMT row
 (`armt_{n}_facts_near_miss`, the largest count if above 1) asks only near misses: every other fact's
-subject shares the asked subject's colour or object. Writes bench/results/armt_retrieval.{json,png}.
+subject shares the asked subject's colour or object. Every exact match comes with its 95% Wilson
+interval (`exact_match_ci95`, the error bars of the plot). `goal` scores each ARMT row at 4x the
+longest training sample of the checkpoint's `training.json` against the 90% target.
+Writes bench/results/armt_retrieval.{json,png}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -32,6 +36,8 @@ from jaxlongctx.data.haystack import CODE_DIGITS  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL  # noqa: E402
 from jaxlongctx.loading import load  # noqa: E402
 from jaxlongctx.train.evaluate import DIGIT_CHANCE, retrieval_accuracy  # noqa: E402
+
+GOAL_FACTOR, GOAL_EXACT_MATCH = 4, 0.9  # the target: 90% exact match at 4x the longest training sample
 
 
 def main() -> None:
@@ -51,7 +57,9 @@ def main() -> None:
         near_miss_plan = [(n, 8) for n in (512, 2048)]
     else:
         full = [(512, 64), (1024, 32), (2048, 16), (4096, 8), (8192, 4)]
-        armt_plan = [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 128), (16384, 32), (32768, 32), (65536, 16)]
+        # 64 samples at 32K and 64K (4x the longest training length) keep the 95% interval within about
+        # +-8 points near 90% exact match
+        armt_plan = [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 128), (16384, 32), (32768, 64), (65536, 64)]
         near_miss_plan = [(1024, 64), (4096, 64), (16384, 32), (65536, 16)]
 
     def armt_diagonal(ids, prompt_length):  # the logits decoding computes (prompt's last segment kept open)
@@ -77,22 +85,62 @@ def main() -> None:
             rows[name].append(r)
             print(name, r, flush=True)
     chance = {"exact_match": DIGIT_CHANCE ** CODE_DIGITS, "digit_accuracy": DIGIT_CHANCE}
+    goal = goal_check(rows, longest_training_tokens(Path(args.armt_ckpt)))
     write_result("armt_retrieval", {"armt_ckpt": repo_path(args.armt_ckpt), "base": repo_path(args.base),
                                     "num_facts": {name: run[2] for name, run in runs.items()},
-                                    "quick": args.quick, "chance": chance, "results": rows,
+                                    "quick": args.quick, "chance": chance, "results": rows, "goal": goal,
                                     "plot": "armt_retrieval.png"})
-    _plot(rows, chance, f"armt_{most}_facts")
+    _plot(rows, chance, f"armt_{most}_facts", goal)
 
 
-def _plot(rows: dict[str, list[dict]], chance: dict[str, float], depth_row: str) -> None:
+def longest_training_tokens(ckpt: Path) -> int | None:
+    """Longest training sample (tokens) over the shipped lineage in `ckpt/training.json` (its `runs`;
+    runs kept under `not_shipped` are not part of the model); None without a record."""
+    record = ckpt / "training.json"
+    if not record.is_file():
+        return None
+    runs = json.loads(record.read_text())["runs"]
+    return max(stage["tokens"] for run in runs for stage in run.get("curriculum", []))
+
+
+def goal_check(rows: dict[str, list[dict]], longest: int | None) -> dict | None:
+    """The goal: ARMT exact match >= GOAL_EXACT_MATCH at GOAL_FACTOR x the longest training sample.
+    Per ARMT row at that length: the point estimate, its 95% interval, `met` (point estimate at or
+    above the goal), `met_with_confidence` (the whole interval at or above it) and
+    `missed_with_confidence` (the whole interval below it). None when the record or
+    that length is missing (e.g. --quick)."""
+    if longest is None:
+        return None
+    length = GOAL_FACTOR * longest
+    out = {"longest_training_tokens": longest, "length": length, "exact_match_goal": GOAL_EXACT_MATCH, "rows": {}}
+    for name, rs in rows.items():
+        cell = next((r for r in rs if r["length"] == length), None)
+        if name.startswith("armt") and cell is not None:
+            low, high = cell["exact_match_ci95"]
+            out["rows"][name] = {"samples": cell["samples"], "exact_match": cell["exact_match"],
+                                 "exact_match_ci95": [low, high], "met": cell["exact_match"] >= GOAL_EXACT_MATCH,
+                                 "met_with_confidence": low >= GOAL_EXACT_MATCH,
+                                 "missed_with_confidence": high < GOAL_EXACT_MATCH}
+    return out if out["rows"] else None
+
+
+def _plot(rows: dict[str, list[dict]], chance: dict[str, float], depth_row: str, goal: dict | None) -> None:
     fig, axes = subplots(1, 3, figsize=(16, 4))
     for ax, metric in zip(axes, ("exact_match", "digit_accuracy")):
         for name, rs in rows.items():
-            ax.plot([r["length"] for r in rs], [r[metric] for r in rs], "o-", label=name)
+            x, y = [r["length"] for r in rs], np.array([r[metric] for r in rs])
+            if metric == "exact_match":  # 95% Wilson interval of each point
+                ci = np.array([r["exact_match_ci95"] for r in rs]).T
+                ax.errorbar(x, y, yerr=np.abs(ci - y), fmt="o-", capsize=3, label=name)
+            else:
+                ax.plot(x, y, "o-", label=name)
         ax.axhline(chance[metric], color="gray", ls="--", label=f"chance ({chance[metric]:g})")
+        if goal is not None and metric == "exact_match":
+            ax.plot([goal["length"]], [goal["exact_match_goal"]], "k*", ms=12,
+                    label=f"goal: {goal['exact_match_goal']:.0%} at {goal['length']:,} tokens")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(metric)
+        ax.set_ylabel(metric + (" (bars: 95% interval)" if metric == "exact_match" else ""))
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)

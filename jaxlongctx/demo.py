@@ -23,6 +23,7 @@ import numpy as np
 from jaxlongctx.data.haystack import CODE_DIGITS, eval_seed, make_sample
 from jaxlongctx.generate import generate
 from jaxlongctx.kvcache.dense import dense_cache_bytes
+from jaxlongctx.train.evaluate import exact_match_interval
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 BASE_MODEL = ASSETS / "base_model"
@@ -62,11 +63,13 @@ def retrieval(armt: Any, context: int, samples: int, facts: int, echo: Callable[
             echo(f"  ARMT answer: {answer!r}   truth: {s.answer!r}   ({secs:.1f} s incl. compile)")
             if not np.isfinite(np.asarray(armt(s.ids[None])[0, -1])).all():
                 echo("  warning: this ARMT model's memory state diverged (non-finite logits) at this length")
-    exact = sum(r["exact"] for r in rows) / samples
+    right = sum(r["exact"] for r in rows)
+    low, high = exact_match_interval(right, samples)
     digits = sum(r["digits"] for r in rows) / (samples * CODE_DIGITS)
-    echo(f"  accuracy over {samples} samples: exact {exact:.0%} (chance {10.0 ** -CODE_DIGITS:.2%}), "
-         f"per digit {digits:.0%} (chance 10%)")
-    return {"exact_match": exact, "digit_accuracy": digits, "samples": samples, "facts": facts}
+    echo(f"  accuracy over {samples} samples: exact {right / samples:.0%} (95% interval {low:.0%}-{high:.0%}; "
+         f"chance {10.0 ** -CODE_DIGITS:.2%}), per digit {digits:.0%} (chance 10%)")
+    return {"exact_match": right / samples, "exact_match_ci95": [low, high], "digit_accuracy": digits,
+            "samples": samples, "facts": facts}
 
 
 def schedule_times(armt: Any, base: Any, context: int, echo: Callable[[str], None]) -> dict[str, float]:

@@ -25,6 +25,8 @@ def test_demo_runs_end_to_end_on_shipped_models(capsys):
     result = json.loads(out.strip().splitlines()[-1])
     assert "ARMT answer:" in out
     assert 0 <= result["retrieval"]["digit_accuracy"] <= 1
+    low, high = result["retrieval"]["exact_match_ci95"]  # one sample: a wide interval around 0 or 1
+    assert 0 <= low <= result["retrieval"]["exact_match"] <= high <= 1 and high - low > 0.7
     assert set(result["seconds"]) == {"armt_diagonal", "armt_sequential", "full_attention"}
     for cache in ("dense", "pq"):
         assert len(result[cache]["generated_ids"]) == 3

@@ -327,6 +327,23 @@ def test_retrieval_accuracy_splits_attention_from_memory():
     assert "in_segment_samples" not in score(None, 380, samples=1)
 
 
+def test_exact_match_interval_is_the_wilson_interval():
+    from jaxlongctx.train.evaluate import exact_match_interval
+
+    # Wilson: (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n), z = 1.95996...
+    z, right, n = 1.959963984540054, 14, 16
+    p = right / n
+    centre, half = p + z * z / (2 * n), z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    expected = [(centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)]
+    np.testing.assert_allclose(exact_match_interval(right, n), expected, rtol=1e-9)
+    low, high = exact_match_interval(0, 8)
+    assert low == 0.0 and 0.3 < high < 0.4  # nothing right out of 8 still allows a third
+    assert exact_match_interval(8, 8)[1] == 1.0
+    wide, narrow = exact_match_interval(7, 8), exact_match_interval(56, 64)  # same rate, 8x the samples
+    assert wide[0] < narrow[0] < 7 / 8 < narrow[1] < wide[1]
+    assert exact_match_interval(14, 16, confidence=0.5)[0] > low
+
+
 def test_retrieval_accuracy_by_fact_depth():
     from jaxlongctx.train.evaluate import retrieval_accuracy
 
@@ -340,6 +357,10 @@ def test_retrieval_accuracy_by_fact_depth():
     assert depth[0]["exact_match"] == 0.0 and depth[3]["exact_match"] == 1.0
     assert depth[1]["exact_match"] in (None, 0.0)
     assert out["exact_match"] == sum(d["samples"] * (d["exact_match"] or 0) for d in depth) / 16
+    low, high = out["exact_match_ci95"]
+    assert low < out["exact_match"] < high  # some but not all samples right
+    assert depth[0]["exact_match_ci95"][0] == 0.0 and depth[3]["exact_match_ci95"][1] == 1.0
+    assert all(d["exact_match_ci95"] is None for d in depth if not d["samples"])
 
 
 def test_retrieval_accuracy_counts_answers_with_another_facts_code():

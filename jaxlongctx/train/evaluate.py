@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from scipy.stats import binomtest
 
 from jaxlongctx.armt.generation import window_start
 from jaxlongctx.data.haystack import CODE_DIGITS, eval_seed, make_batch
@@ -122,8 +123,7 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         is_code[np.arange(b), raw["target_fact"]] = False
         other.append(is_code.any(axis=1) & (pred != raw["answer_ids"]).any(axis=1))
     hit, fact_at, shared = np.concatenate(hits), np.concatenate(asked), np.concatenate(shared)  # N D, N, N
-    out = {"length": length, "num_facts": num_facts, "shared_word_haystack": shared_word, "samples": len(hit),
-           "exact_match": float(hit.all(axis=1).mean()), "digit_accuracy": float(hit.mean()),
+    out = {"length": length, "num_facts": num_facts, "shared_word_haystack": shared_word, **_scores(hit),
            "by_depth": _by_depth(hit, fact_at / length), "other_fact_rate": float(np.concatenate(other).mean())}
     splits = [("shared_word", shared), ("distinct_words", ~shared)]
     if segment_size is not None:
@@ -135,9 +135,20 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
 
 
 def _scores(hit: np.ndarray) -> dict[str, Any]:
-    """Sample count, exact-match and per-digit accuracy of `hit [N, CODE_DIGITS]`; None when N is 0."""
-    return {"samples": len(hit), "exact_match": float(hit.all(axis=1).mean()) if len(hit) else None,
-            "digit_accuracy": float(hit.mean()) if len(hit) else None}
+    """Sample count, exact-match (with its 95% Wilson interval) and per-digit accuracy of
+    `hit [N, CODE_DIGITS]`; None when N is 0."""
+    if not len(hit):
+        return {"samples": 0, "exact_match": None, "exact_match_ci95": None, "digit_accuracy": None}
+    return {"samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
+            "exact_match_ci95": exact_match_interval(int(hit.all(axis=1).sum()), len(hit)),
+            "digit_accuracy": float(hit.mean())}
+
+
+def exact_match_interval(right: int, samples: int, confidence: float = 0.95) -> list[float]:
+    """Wilson score interval `[low, high]` of a success rate from `right` of `samples` answers: the
+    range the true accuracy lies in at `confidence` (16 samples with 14 right: about [0.64, 0.97])."""
+    ci = binomtest(right, samples).proportion_ci(confidence_level=confidence, method="wilson")
+    return [float(ci.low), float(ci.high)]
 
 
 def _by_depth(hit: np.ndarray, depth: np.ndarray, parts: int = 4) -> list[dict[str, Any]]:

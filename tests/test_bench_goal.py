@@ -1,0 +1,37 @@
+"""The retrieval bench's goal check: 90% exact match at 4x the longest training sample."""
+
+import json
+
+from bench.armt_retrieval import goal_check, longest_training_tokens
+from jaxlongctx.demo import ARMT_MODEL
+from jaxlongctx.train.evaluate import exact_match_interval
+
+
+def _cell(length, right, samples):
+    return {"length": length, "samples": samples, "exact_match": right / samples,
+            "exact_match_ci95": exact_match_interval(right, samples)}
+
+
+def test_longest_training_tokens_reads_the_shipped_lineage_only(tmp_path):
+    assert longest_training_tokens(ARMT_MODEL) == 16384  # the last runs trained on 16K-token samples
+    record = {"runs": [{"curriculum": [{"tokens": 128}, {"tokens": 2048}]}, {"stopped": "by hand"}],
+              "not_shipped": [{"curriculum": [{"tokens": 65536}]}]}
+    (tmp_path / "training.json").write_text(json.dumps(record))
+    assert longest_training_tokens(tmp_path) == 2048
+    assert longest_training_tokens(tmp_path / "missing") is None
+
+
+def test_goal_check_scores_armt_rows_at_four_times_the_longest_sample():
+    rows = {"armt_1_facts": [_cell(2048, 64, 64), _cell(8192, 63, 64)],  # the whole interval above 90%
+            "armt_2_facts": [_cell(8192, 58, 64)],  # 90.6%: met, but the interval reaches below
+            "armt_4_facts": [_cell(8192, 32, 64)],  # 50%: the whole interval below
+            "armt_8_facts": [_cell(4096, 1, 2)],  # no cell at the goal length
+            "full_attention": [_cell(8192, 64, 64)]}  # not ARMT
+    goal = goal_check(rows, 2048)
+    assert goal["length"] == 8192 and goal["exact_match_goal"] == 0.9
+    assert set(goal["rows"]) == {"armt_1_facts", "armt_2_facts", "armt_4_facts"}
+    one, two, four = (goal["rows"][f"armt_{n}_facts"] for n in (1, 2, 4))
+    assert one["met"] and one["met_with_confidence"] and not one["missed_with_confidence"]
+    assert two["met"] and not two["met_with_confidence"] and not two["missed_with_confidence"]
+    assert not four["met"] and four["missed_with_confidence"] and four["samples"] == 64
+    assert goal_check(rows, 16384) is None and goal_check(rows, None) is None
