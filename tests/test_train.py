@@ -341,7 +341,8 @@ def test_exact_match_interval_is_the_wilson_interval():
     assert exact_match_interval(8, 8)[1] == 1.0
     wide, narrow = exact_match_interval(7, 8), exact_match_interval(56, 64)  # same rate, 8x the samples
     assert wide[0] < narrow[0] < 7 / 8 < narrow[1] < wide[1]
-    assert exact_match_interval(14, 16, confidence=0.5)[0] > low
+    half_confidence = exact_match_interval(right, n, confidence=0.5)
+    assert expected[0] < half_confidence[0] < p < half_confidence[1] < expected[1]  # less confidence, narrower
 
 
 def test_retrieval_accuracy_by_fact_depth():

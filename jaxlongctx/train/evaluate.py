@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from scipy.stats import binomtest
 
 from jaxlongctx.armt.generation import window_start
 from jaxlongctx.data.haystack import CODE_DIGITS, eval_seed, make_batch
@@ -139,14 +138,17 @@ def _scores(hit: np.ndarray) -> dict[str, Any]:
     `hit [N, CODE_DIGITS]`; None when N is 0."""
     if not len(hit):
         return {"samples": 0, "exact_match": None, "exact_match_ci95": None, "digit_accuracy": None}
-    return {"samples": len(hit), "exact_match": float(hit.all(axis=1).mean()),
-            "exact_match_ci95": exact_match_interval(int(hit.all(axis=1).sum()), len(hit)),
-            "digit_accuracy": float(hit.mean())}
+    right = int(hit.all(axis=1).sum())
+    return {"samples": len(hit), "exact_match": right / len(hit),
+            "exact_match_ci95": exact_match_interval(right, len(hit)), "digit_accuracy": float(hit.mean())}
 
 
 def exact_match_interval(right: int, samples: int, confidence: float = 0.95) -> list[float]:
     """Wilson score interval `[low, high]` of a success rate from `right` of `samples` answers: the
     range the true accuracy lies in at `confidence` (16 samples with 14 right: about [0.64, 0.97])."""
+    from scipy.stats import binomtest  # here, not at the top: scipy.stats takes ~1 s to import, and
+    # every CLI command imports this module to build its parser
+
     ci = binomtest(right, samples).proportion_ci(confidence_level=confidence, method="wilson")
     return [float(ci.low), float(ci.high)]
 
