@@ -15,7 +15,11 @@ word with the asked one; they count answers that are another fact's code. A last
 (`armt_{n}_facts_near_miss`, the largest count if above 1) asks only near misses: every other fact's
 subject shares the asked subject's colour or object. Every exact match comes with its 95% Wilson
 interval (`exact_match_ci95`, the error bars of the plot). `goal` scores each ARMT row at 4x the
-longest training sample of the checkpoint's `training.json` against the 90% target.
+longest training sample of the checkpoint's `training.json` against the 90% target. The filler is
+the validation split's text; when the checkpoint's lineage trained on that text too (`training.json`),
+a row `armt_{n}_facts_unseen_filler` (the smallest count) repeats the sweep on train-split filler:
+text the base model pretrained on but the memory never met as filler in fine-tuning, so the plot shows
+how much of the accuracy is owed to knowing the filler.
 Writes bench/results/armt_retrieval.{json,png}.
 """
 
@@ -32,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
-from jaxlongctx.data.haystack import CODE_DIGITS  # noqa: E402
+from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL  # noqa: E402
 from jaxlongctx.loading import load  # noqa: E402
 from jaxlongctx.train.evaluate import DIGIT_CHANCE, retrieval_accuracy  # noqa: E402
@@ -68,19 +72,22 @@ def main() -> None:
     def full_attention(model):
         return lambda ids, prompt_length: model(ids)
 
-    # row -> (model, its segment size or None, facts, near misses only, [(length, samples)])
-    segment = armt.armt.segment_size
-    runs = {f"armt_{n}_facts": (armt_diagonal, segment, n, False, armt_plan) for n in counts}
+    # row -> (model, its segment size or None, facts, near misses only, filler split, [(length, samples)])
+    segment, val = armt.armt.segment_size, FILLER_SPLIT
+    runs = {f"armt_{n}_facts": (armt_diagonal, segment, n, False, val, armt_plan) for n in counts}
     if most > 1:  # with one fact there is nothing to miss
-        runs[f"armt_{most}_facts_near_miss"] = (armt_diagonal, segment, most, True, near_miss_plan)
-    runs.update({"full_attention": (full_attention(base), None, most, False, full),
-                 "full_attention_finetuned": (full_attention(armt.base), None, most, False, full)})
+        runs[f"armt_{most}_facts_near_miss"] = (armt_diagonal, segment, most, True, val, near_miss_plan)
+    unseen = unseen_filler_split(Path(args.armt_ckpt))
+    if unseen is not None:
+        runs[f"armt_{counts[0]}_facts_unseen_filler"] = (armt_diagonal, segment, counts[0], False, unseen, armt_plan)
+    runs.update({"full_attention": (full_attention(base), None, most, False, val, full),
+                 "full_attention_finetuned": (full_attention(armt.base), None, most, False, val, full)})
     rows: dict[str, list[dict]] = {name: [] for name in runs}
-    for name, (model, segment_size, facts, near_miss, sizes) in runs.items():
+    for name, (model, segment_size, facts, near_miss, filler, sizes) in runs.items():
         for length, samples in sizes:
             t0 = time.perf_counter()
             r = retrieval_accuracy(model, length, samples, num_facts=facts, segment_size=segment_size,
-                                   shared_word=near_miss)
+                                   shared_word=near_miss, filler_split=filler)
             r["wall_s"] = time.perf_counter() - t0
             rows[name].append(r)
             print(name, r, flush=True)
@@ -88,6 +95,7 @@ def main() -> None:
     goal = goal_check(rows, longest_training_tokens(Path(args.armt_ckpt)))
     write_result("armt_retrieval", {"armt_ckpt": repo_path(args.armt_ckpt), "base": repo_path(args.base),
                                     "num_facts": {name: run[2] for name, run in runs.items()},
+                                    "filler_split": {name: run[4] for name, run in runs.items()},
                                     "quick": args.quick, "chance": chance, "results": rows, "goal": goal,
                                     "plot": "armt_retrieval.png"})
     _plot(rows, chance, f"armt_{most}_facts", goal)
@@ -101,6 +109,17 @@ def longest_training_tokens(ckpt: Path) -> int | None:
         return None
     runs = json.loads(record.read_text())["runs"]
     return max(stage["tokens"] for run in runs for stage in run.get("curriculum", []))
+
+
+def unseen_filler_split(ckpt: Path) -> str | None:
+    """"train" when the lineage in `ckpt/training.json` fine-tuned on the evaluation filler (the
+    validation split; runs recorded without `filler_split` predate the option and used it) and never on
+    the train split; None otherwise (no record, or the validation text is already new to it)."""
+    record = ckpt / "training.json"
+    if not record.is_file():
+        return None
+    used = {run.get("filler_split", FILLER_SPLIT) for run in json.loads(record.read_text())["runs"]}
+    return "train" if FILLER_SPLIT in used and "train" not in used else None
 
 
 def goal_check(rows: dict[str, list[dict]], longest: int | None) -> dict | None:

@@ -2,7 +2,7 @@
 
 import json
 
-from bench.armt_retrieval import goal_check, longest_training_tokens
+from bench.armt_retrieval import goal_check, longest_training_tokens, unseen_filler_split
 from jaxlongctx.demo import ARMT_MODEL
 from jaxlongctx.train.evaluate import exact_match_interval
 
@@ -35,3 +35,14 @@ def test_goal_check_scores_armt_rows_at_four_times_the_longest_sample():
     assert two["met"] and not two["met_with_confidence"] and not two["missed_with_confidence"]
     assert not four["met"] and four["missed_with_confidence"] and four["samples"] == 64
     assert goal_check(rows, 16384) is None and goal_check(rows, None) is None
+
+
+def test_unseen_filler_split_is_train_while_the_lineage_trained_on_validation_filler(tmp_path):
+    assert unseen_filler_split(ARMT_MODEL) == "train"  # every shipped run drew filler from validation
+    cases = [([{"filler_split": "validation"}, {}], "train"),  # a run without the field predates it: validation
+             ([{"filler_split": "validation"}, {"filler_split": "train"}], None),  # train text already seen
+             ([{"filler_split": "train"}], None)]  # validation filler is new to it: the main rows are held out
+    for runs, expected in cases:
+        (tmp_path / "training.json").write_text(json.dumps({"runs": runs}))
+        assert unseen_filler_split(tmp_path) == expected
+    assert unseen_filler_split(tmp_path / "missing") is None

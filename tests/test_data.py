@@ -259,6 +259,27 @@ def test_batch(tok):
         make_batch(0, 0, 1024, tok)
 
 
+def _occurs_in(span: np.ndarray, tokens: np.ndarray) -> bool:
+    """Whether `span` is a contiguous run of `tokens`."""
+    windows = np.lib.stride_tricks.sliding_window_view(tokens, span.size)
+    return bool((windows == span).all(axis=1).any())
+
+
+def test_filler_split_changes_the_filler_only(tok):
+    val, train = make_sample(5, 2048, tok), make_sample(5, 2048, tok, filler_split="train")
+    assert (val.codes, val.subjects, val.question) == (train.codes, train.subjects, train.question)
+    first = lambda s: s.ids[1:s.fact_positions[0]][:64]  # filler before the first fact  # noqa: E731
+    assert first(val).size == first(train).size == 64
+    assert _occurs_in(first(val), tokenizer.encode_corpus("validation", tok))
+    assert _occurs_in(first(train), tokenizer.encode_corpus("train", tok))
+    assert not _occurs_in(first(train), tokenizer.encode_corpus("validation", tok))
+    batch = make_batch(3, 2, 1024, tok, filler_split="train")
+    np.testing.assert_array_equal(batch["ids"][1], make_sample(np.random.default_rng([3, 1]), 1024, tok,
+                                                               filler_split="train").ids)
+    with pytest.raises(ValueError, match="unknown split"):
+        make_sample(0, 512, tok, filler_split="test")
+
+
 def test_train_and_eval_seeds_are_disjoint(tok):
     assert haystack.train_seed(haystack.SEED_SPACE - 1) < haystack.eval_seed(0)
     assert haystack.eval_seed(0) == haystack.EVAL_SEED_BASE

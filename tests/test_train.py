@@ -138,6 +138,15 @@ def test_armt_curriculum_and_answer_positions():
         assert np.flatnonzero((windows == answer).all(axis=1))[0] < n / 4
     with pytest.raises(ValueError, match="far_fraction"):
         haystack_batch(0, 1, 256, load_default_tokenizer(), 128, num_facts=1, far_fraction=-0.1)
+    train = encode_corpus("train")  # training filler is train-split text unless told otherwise
+    val = haystack_batch(0, 2, 1024, load_default_tokenizer(), 128, num_facts=1, far_fraction=1.0,
+                         filler_split="validation")
+    for split, filler in (("train", far), ("validation", val)):
+        span = filler["ids"][0, 512:544]  # filler: the fact lies in the first fifth, the question at the end
+        windows = np.lib.stride_tricks.sliding_window_view(encode_corpus(split), span.size)
+        assert (windows == span).all(axis=1).any()
+        assert split == "train" or not (np.lib.stride_tricks.sliding_window_view(train, span.size) == span).all(
+            axis=1).any()
 
     tok = load_default_tokenizer()  # a fact range: each sample draws its own count of facts
     mixed = haystack_batch(0, 24, 512, tok, 128, num_facts=(1, 4))
@@ -228,7 +237,7 @@ def test_train_armt_runs_its_curriculum_and_saves_a_loadable_model(tmp_path):
             "--num-facts", "1-2", "--no-progress"]
     summary = run_train_armt(parser.parse_args(args))
     assert summary["steps"] == 4 and [st["tokens"] for st in summary["curriculum"]] == [64, 256]
-    assert summary["num_facts"] == [1, 2]
+    assert summary["num_facts"] == [1, 2] and summary["filler_split"] == "train"
     assert np.isfinite(summary["final_loss"]) and summary["accuracy"][0]["samples"] == 2
     history = json.loads((tmp_path / "run/checkpoints/step_00000004/trainer.json").read_text())["history"]
     assert len(history["loss"]) == 4
@@ -242,9 +251,11 @@ def test_train_armt_runs_its_curriculum_and_saves_a_loadable_model(tmp_path):
     with pytest.raises(ValueError, match="--segment-size only apply with --base"):
         run_train_armt(parser.parse_args(again + ["--segment-size", "64"]))
     summary = run_train_armt(parser.parse_args(again + ["--follow-ups", "--num-facts", "3",
-                                                        "--shared-word-fraction", "0.5"]))
+                                                        "--shared-word-fraction", "0.5",
+                                                        "--filler-split", "validation"]))
     assert summary["init"] == str(tmp_path / "armt") and summary["armt_config"]["segment_size"] == 128
     assert summary["follow_ups"] and summary["shared_word_fraction"] == 0.5 and np.isfinite(summary["final_loss"])
+    assert summary["filler_split"] == "validation"
     further = load(tmp_path / "armt2")
     assert further.armt == armt.armt and float(jnp.abs(further(np.full((1, 200), 5, np.int32)) - out).max()) > 0
     with pytest.raises(SystemExit):  # --base and --init exclude each other

@@ -5,8 +5,10 @@ A sample is, in tokens, exactly ``length_tokens`` long::
     <bos> filler ... " The code of the blue box is 4711." ... filler ... (num_facts facts)
     "\\nWhat is the code of the blue box? The code of the blue box is "
 
-The filler is random contiguous spans of the tokenized *validation* split (documents
-separated by ``<eos>``, exactly as in packed training data); facts are spliced in at token
+The filler is random contiguous spans of one tokenized corpus split (documents separated by
+``<eos>``, exactly as in packed training data): the *validation* split by default, so that
+evaluation filler is text no training saw; ARMT fine-tuning draws it from the *train* split. A sample
+longer than its split repeats text (the validation split holds about 54K tokens). Facts are spliced in at token
 boundaries, preferably at sentence ends.  The prompt ends with the space token, and the
 answer is the code's :data:`CODE_DIGITS` digits, one token each (the tokenizer splits
 digits), so greedy exact-match chance is ``10 ** -CODE_DIGITS`` and per-digit chance 1/10.
@@ -27,6 +29,7 @@ COLOURS: tuple[str, ...] = ("black", "blue", "brown", "green", "grey", "orange",
 OBJECTS: tuple[str, ...] = ("bag", "book", "bottle", "box", "chest", "door", "drawer",
                             "folder", "jar", "key", "lamp", "safe")
 CODE_DIGITS = 4
+FILLER_SPLIT = "validation"  # default filler: text the base model never trained on
 MAX_SHARED_WORD_FACTS = len(COLOURS) + len(OBJECTS) - 1  # the asked subject and all that share a word with it
 
 # Seeds below EVAL_SEED_BASE are for training, seeds from it on are held out for evaluation.
@@ -55,7 +58,7 @@ class HaystackSample:
 class _Resources:
     """Per-tokenizer filler stream, its sentence boundaries and the digit tokens."""
 
-    filler: np.ndarray       # validation split token ids
+    filler: np.ndarray       # the filler split's token ids
     boundary: np.ndarray     # bool, True where a fact may be inserted before filler[i]
     digit_ids: np.ndarray    # token id of "0".."9"
 
@@ -101,12 +104,12 @@ def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
 
 
 @functools.cache
-def _resources(tokenizer: Tokenizer) -> _Resources:
-    """Tokenized filler, its sentence boundaries and the digit tokens (cached per tokenizer)."""
+def _resources(tokenizer: Tokenizer, filler_split: str = FILLER_SPLIT) -> _Resources:
+    """Tokenized filler of one split, its sentence boundaries and the digit tokens (cached)."""
     digit_ids = _encode(tokenizer, "0123456789")
     if [tokenizer.decode([int(i)]) for i in digit_ids] != list("0123456789"):
         raise ValueError("the tokenizer must encode each digit as a single token")
-    filler = encode_corpus("validation", tokenizer)
+    filler = encode_corpus(filler_split, tokenizer)
     pieces = tokenizer.decode_batch([[i] for i in range(tokenizer.get_vocab_size())])
     ends_sentence = np.array([p.endswith((".", "!", "?", "\n")) for p in pieces])
     starts_space = np.array([p[:1].isspace() for p in pieces])
@@ -162,13 +165,15 @@ def _subject_pairs(rng: np.random.Generator, num_facts: int, shared_word: bool) 
 
 def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, tokenizer: Tokenizer,
                 num_facts: int = 4, target_depth: float | None = None,
-                shared_word: bool = False) -> HaystackSample:
+                shared_word: bool = False, filler_split: str = FILLER_SPLIT) -> HaystackSample:
     """A retrieval prompt of exactly ``length_tokens`` tokens (same seed -> same sample).
 
     ``target_depth`` in [0, 1] puts the asked fact at the sentence boundary nearest that
     relative depth of the filler; by default all fact depths are uniformly random.
     ``shared_word`` makes every other fact a near miss: its subject shares the asked subject's
     colour or object ("blue box" among "blue jar", "red box"); by default subjects are random.
+    ``filler_split`` names the corpus split the filler comes from; the facts, codes and question
+    depend on the seed alone.
     """
     most = MAX_SHARED_WORD_FACTS if shared_word else len(COLOURS) * len(OBJECTS)
     if not 1 <= num_facts <= most:
@@ -177,7 +182,7 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
     if target_depth is not None and not 0.0 <= target_depth <= 1.0:
         raise ValueError(f"target_depth must be in [0, 1], got {target_depth}")
     rng = np.random.default_rng(rng_or_seed)
-    res = _resources(tokenizer)
+    res = _resources(tokenizer, filler_split)
 
     # Fact 0 is the asked one; the pairs are random, so this is no bias.
     pairs = _subject_pairs(rng, num_facts, shared_word)
@@ -216,7 +221,8 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
 
 
 def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, num_facts: int = 4,
-               target_depth: float | None = None, shared_word: bool = False) -> dict[str, np.ndarray]:
+               target_depth: float | None = None, shared_word: bool = False,
+               filler_split: str = FILLER_SPLIT) -> dict[str, np.ndarray]:
     """Stacked samples; sample i is ``make_sample(np.random.default_rng([seed, i]), ...)``.
 
     Besides the prompt (``ids``), answer, fact offsets and asked fact's index, it holds every fact's
@@ -228,7 +234,8 @@ def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, 
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     samples = [make_sample(np.random.default_rng([seed, i]), length_tokens, tokenizer,
-                           num_facts=num_facts, target_depth=target_depth, shared_word=shared_word)
+                           num_facts=num_facts, target_depth=target_depth, shared_word=shared_word,
+                           filler_split=filler_split)
                for i in range(batch)]
     res = _resources(tokenizer)
     return {

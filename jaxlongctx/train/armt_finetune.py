@@ -28,13 +28,17 @@ from flax import nnx
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.armt.segments import Segments, segment
-from jaxlongctx.data.haystack import CODE_DIGITS, follow_up_ids, make_sample, train_seed
+from jaxlongctx.data.corpus import SPLITS
+from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, follow_up_ids, make_sample, train_seed
 from jaxlongctx.data.tokenizer import load_default_tokenizer
 from jaxlongctx.train.evaluate import retrieval_accuracy
 from jaxlongctx.train.optim import OptimConfig, make_optimizer
 from jaxlongctx.train.trainer import Trainer, TrainerConfig, load_into
 
 DEFAULT_CURRICULUM = "64:300:32,128:300:32,256:800:16,512:400:8"
+# training filler comes from the train split, so that the validation split's text (evaluation filler)
+# is new to the memory, as a user's document is
+TRAIN_FILLER_SPLIT = "train"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +73,7 @@ def stage_per_step(stages: list[Stage]) -> list[Stage]:
 def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, segment_size: int,
                    num_facts: int | tuple[int, int], boundary_fraction: float = 0.0,
                    far_fraction: float = 0.0, follow_ups: bool = False,
-                   shared_word_fraction: float = 0.0) -> dict[str, np.ndarray]:
+                   shared_word_fraction: float = 0.0, filler_split: str = TRAIN_FILLER_SPLIT) -> dict[str, np.ndarray]:
     """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
     the supervised answer digits, with `T = total_tokens`.
 
@@ -84,7 +88,7 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     nearly every segment of the sample (otherwise its depth is uniform). About `shared_word_fraction`
     of the samples are near misses: every other fact's subject shares the asked subject's colour or
     object (otherwise subjects are random). `num_facts` is a count, or a range `(lo, hi)` from which
-    each sample draws its own count uniformly.
+    each sample draws its own count uniformly. The filler comes from the corpus split `filler_split`.
 
     With `follow_ups`, the answer is followed by questions about the sample's other facts, in random
     order, each with its answer (as many as fit in T), so that one sample supervises up to `hi` answers.
@@ -116,7 +120,7 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
         facts = lo if lo == hi else int(rng.integers(lo, hi + 1))
         shared = bool(shared_word_fraction) and rng.random() < shared_word_fraction
         make = functools.partial(make_sample, tokenizer=tokenizer, num_facts=facts, target_depth=depth,
-                                 shared_word=shared)
+                                 shared_word=shared, filler_split=filler_split)
         longest = make(np.random.default_rng([seed, i]), total_tokens - tail)  # facts, codes: seed only, not length
         fixed = longest.ids.size - longest.filler_tokens  # <bos>, facts and question
         others = [k for k in range(facts) if k != longest.target_fact]
@@ -181,7 +185,7 @@ def retrieval_loss(logits: jnp.ndarray, batch: dict[str, jnp.ndarray], lm_weight
 def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, stages: list[Stage],
                  num_facts: int | tuple[int, int] = 1, lm_weight: float = 1.0, freeze_base: bool = False, seed: int = 0,
                  boundary_fraction: float = 0.0, far_fraction: float = 0.0, follow_ups: bool = False,
-                 shared_word_fraction: float = 0.0) -> Trainer:
+                 shared_word_fraction: float = 0.0, filler_split: str = TRAIN_FILLER_SPLIT) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
     params, and the base weights unless `freeze_base`)."""
     tokenizer = load_default_tokenizer()
@@ -194,7 +198,8 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, st
     def batch_fn(step: int) -> dict[str, np.ndarray]:
         stage = per_step[step]
         return haystack_batch(train_seed(seed * 1_000_000 + step), stage.batch_size, stage.tokens, tokenizer, s,
-                              num_facts, boundary_fraction, far_fraction, follow_ups, shared_word_fraction)
+                              num_facts, boundary_fraction, far_fraction, follow_ups, shared_word_fraction,
+                              filler_split)
 
     def loss_fn(params, frozen, batch):
         full = (frozen, params) if freeze_base else params
@@ -240,6 +245,9 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--follow-ups", action="store_true",
                         help="after the answer, ask about each other fact of the sample too (as many as fit), every "
                              "answer supervised: more signal per sample (evaluation always asks one question)")
+    parser.add_argument("--filler-split", choices=SPLITS, default=TRAIN_FILLER_SPLIT,
+                        help=f"corpus split of the training samples' filler (default {TRAIN_FILLER_SPLIT}); the "
+                             f"accuracy check always uses the held-out {FILLER_SPLIT} split")
     parser.add_argument("--lm-weight", type=float, default=1.0,
                         help="weight of the next-token loss over the whole sample, added to the answer loss")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -298,7 +306,8 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     optim = OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=steps, weight_decay=0.0)
     tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress)
     trainer = armt_trainer(armt, optim, tcfg, stages, facts, args.lm_weight, args.freeze_base, args.seed,
-                           args.boundary_fraction, args.far_fraction, args.follow_ups, args.shared_word_fraction)
+                           args.boundary_fraction, args.far_fraction, args.follow_ups, args.shared_word_fraction,
+                           args.filler_split)
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
     trainer.run()
@@ -311,7 +320,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "curriculum": [dataclasses.asdict(stage) for stage in stages], "lm_weight": args.lm_weight,
         "boundary_fraction": args.boundary_fraction, "far_fraction": args.far_fraction,
-        "shared_word_fraction": args.shared_word_fraction,
+        "shared_word_fraction": args.shared_word_fraction, "filler_split": args.filler_split,
         "freeze_base": args.freeze_base, "num_facts": list(facts), "follow_ups": args.follow_ups, "resumed": resumed,
         "train_wall_s": trainer.history["wall_s"][-1], "this_session_wall_s": time.perf_counter() - t0,
         "final_loss": trainer.history["loss"][-1],

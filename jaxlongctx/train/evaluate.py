@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from jaxlongctx.armt.generation import window_start
-from jaxlongctx.data.haystack import CODE_DIGITS, eval_seed, make_batch
+from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, eval_seed, make_batch
 from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
 from jaxlongctx.model.attention import causal_prefill_attention
 from jaxlongctx.model.layers import DecoderLayer
@@ -91,7 +91,7 @@ def answer_inputs(ids: np.ndarray, answer_ids: np.ndarray) -> np.ndarray:
 
 def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: int, samples: int,
                        batch_size: int = 1, num_facts: int = 4, segment_size: int | None = None,
-                       shared_word: bool = False) -> dict[str, float | None]:
+                       shared_word: bool = False, filler_split: str = FILLER_SPLIT) -> dict[str, float | None]:
     """Greedy exact-match and per-digit accuracy on held-out haystack prompts of `length` tokens
     (teacher-forced argmax: all digits right under teacher forcing == greedy decode right).
 
@@ -104,7 +104,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     (depth 0 = the first token, far from the question). `shared_word_*` / `distinct_words_*` split
     them by whether another fact's subject shares the asked subject's colour or object, and
     `other_fact_rate` is the share of samples answered with another fact's whole code. With
-    `shared_word` every sample is a near miss (`make_sample(shared_word=True)`).
+    `shared_word` every sample is a near miss (`make_sample(shared_word=True)`). The filler comes from the
+    corpus split `filler_split` (by default the held-out validation split).
     """
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
@@ -112,7 +113,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     hits, asked, shared, other = [], [], [], []
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
-        raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts, shared_word=shared_word)
+        raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts, shared_word=shared_word,
+                         filler_split=filler_split)
         logits = model(answer_inputs(raw["ids"], raw["answer_ids"]), length)  # B T V
         pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
         hits.append(pred == raw["answer_ids"])
