@@ -247,7 +247,7 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
                              "answer supervised: more signal per sample (evaluation always asks one question)")
     parser.add_argument("--filler-split", choices=SPLITS, default=TRAIN_FILLER_SPLIT,
                         help=f"corpus split of the training samples' filler (default {TRAIN_FILLER_SPLIT}); the "
-                             f"accuracy check always uses the held-out {FILLER_SPLIT} split")
+                             f"accuracy check (--eval-lengths) always uses the {FILLER_SPLIT} split, the bench's filler")
     parser.add_argument("--lm-weight", type=float, default=1.0,
                         help="weight of the next-token loss over the whole sample, added to the answer loss")
     parser.add_argument("--lr", type=float, default=1e-3)
