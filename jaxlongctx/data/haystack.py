@@ -6,8 +6,8 @@ A sample is, in tokens, exactly ``length_tokens`` long::
     "\\nWhat is the code of the blue box? The code of the blue box is "
 
 The filler is random contiguous spans of one tokenized corpus split (documents separated by
-``<eos>``, exactly as in packed training data): the *validation* split by default, so that
-evaluation filler is text no training saw; ARMT fine-tuning draws it from the *train* split. A sample
+``<eos>``, exactly as in packed training data): the *validation* split by default, text the base
+model never trained on; ARMT fine-tuning draws it from the *train* split by default. A sample
 longer than its split repeats text (the validation split holds about 54K tokens). Facts are spliced in at token
 boundaries, preferably at sentence ends.  The prompt ends with the space token, and the
 answer is the code's :data:`CODE_DIGITS` digits, one token each (the tokenizer splits

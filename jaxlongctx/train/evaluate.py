@@ -105,7 +105,7 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     them by whether another fact's subject shares the asked subject's colour or object, and
     `other_fact_rate` is the share of samples answered with another fact's whole code. With
     `shared_word` every sample is a near miss (`make_sample(shared_word=True)`). The filler comes from the
-    corpus split `filler_split` (by default the held-out validation split).
+    corpus split `filler_split` (by default the validation split, which the base model never trained on).
     """
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
