@@ -55,12 +55,20 @@ class HaystackSample:
 
 
 @dataclass(frozen=True)
-class _Resources:
-    """Per-tokenizer filler stream, its sentence boundaries and the digit tokens."""
+class _TokenTables:
+    """What the task needs to know of a tokenizer's vocabulary."""
 
-    filler: np.ndarray       # the filler split's token ids
-    boundary: np.ndarray     # bool, True where a fact may be inserted before filler[i]
-    digit_ids: np.ndarray    # token id of "0".."9"
+    digit_ids: np.ndarray      # [10] token id of "0".."9"
+    ends_sentence: np.ndarray  # bool [V], the token's text ends with . ! ? or a newline
+    starts_space: np.ndarray   # bool [V], the token's text starts with whitespace
+
+
+@dataclass(frozen=True)
+class _Filler:
+    """One split's tokenized filler stream and its sentence boundaries."""
+
+    ids: np.ndarray       # int32 [N], the split's token ids
+    boundary: np.ndarray  # bool [N], True where a fact may be inserted before ids[i]
 
 
 def train_seed(step: int) -> int:
@@ -88,14 +96,13 @@ def question_text(subject: str) -> str:
 def follow_up_ids(sample: HaystackSample, fact: int, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Tokens that continue a sample after an answer with one more question, about ``facts[fact]``:
     ``"." + question`` (int32 ``[Q]``), and that fact's code digits (int32 ``[CODE_DIGITS]``)."""
-    res = _resources(tokenizer)
     ids = np.concatenate([_encode(tokenizer, "."), _encode(tokenizer, question_text(sample.subjects[fact]))])
-    return ids, _code_ids(res, sample.codes[fact])
+    return ids, _code_ids(tokenizer, sample.codes[fact])
 
 
-def _code_ids(res: _Resources, code: str) -> np.ndarray:
+def _code_ids(tokenizer: Tokenizer, code: str) -> np.ndarray:
     """Token ids `[CODE_DIGITS]` of a code's digits ("4711")."""
-    return res.digit_ids[[int(d) for d in code]]
+    return _token_tables(tokenizer).digit_ids[[int(d) for d in code]]
 
 
 def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
@@ -104,28 +111,35 @@ def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
 
 
 @functools.cache
-def _resources(tokenizer: Tokenizer, filler_split: str = FILLER_SPLIT) -> _Resources:
-    """Tokenized filler of one split, its sentence boundaries and the digit tokens (cached)."""
+def _token_tables(tokenizer: Tokenizer) -> _TokenTables:
+    """The digit tokens and per-token sentence-end / leading-space flags (cached per tokenizer)."""
     digit_ids = _encode(tokenizer, "0123456789")
     if [tokenizer.decode([int(i)]) for i in digit_ids] != list("0123456789"):
         raise ValueError("the tokenizer must encode each digit as a single token")
-    filler = encode_corpus(filler_split, tokenizer)
     pieces = tokenizer.decode_batch([[i] for i in range(tokenizer.get_vocab_size())])
-    ends_sentence = np.array([p.endswith((".", "!", "?", "\n")) for p in pieces])
-    starts_space = np.array([p[:1].isspace() for p in pieces])
-    boundary = np.ones(filler.size, dtype=bool)
-    boundary[1:] = (ends_sentence[filler[:-1]] & starts_space[filler[1:]]) | (filler[:-1] == EOS_ID)
-    return _Resources(filler=filler, boundary=boundary, digit_ids=digit_ids)
+    return _TokenTables(digit_ids=digit_ids,
+                        ends_sentence=np.array([p.endswith((".", "!", "?", "\n")) for p in pieces]),
+                        starts_space=np.array([p[:1].isspace() for p in pieces]))
 
 
-def _filler(rng: np.random.Generator, res: _Resources, n: int) -> tuple[np.ndarray, np.ndarray]:
+@functools.cache
+def _filler_stream(tokenizer: Tokenizer, filler_split: str) -> _Filler:
+    """Tokenized filler of one split and its sentence boundaries (cached per tokenizer and split)."""
+    tables = _token_tables(tokenizer)
+    ids = encode_corpus(filler_split, tokenizer)
+    boundary = np.ones(ids.size, dtype=bool)
+    boundary[1:] = (tables.ends_sentence[ids[:-1]] & tables.starts_space[ids[1:]]) | (ids[:-1] == EOS_ID)
+    return _Filler(ids=ids, boundary=boundary)
+
+
+def _filler(rng: np.random.Generator, stream: _Filler, n: int) -> tuple[np.ndarray, np.ndarray]:
     """``n`` filler tokens from random contiguous spans (several if n exceeds the split)."""
     spans, masks, left = [], [], n
     while left > 0:
-        size = min(left, res.filler.size)
-        start = int(rng.integers(0, res.filler.size - size + 1))
-        spans.append(res.filler[start:start + size])
-        masks.append(res.boundary[start:start + size])
+        size = min(left, stream.ids.size)
+        start = int(rng.integers(0, stream.ids.size - size + 1))
+        spans.append(stream.ids[start:start + size])
+        masks.append(stream.boundary[start:start + size])
         left -= size
     if not spans:
         return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=bool)
@@ -182,7 +196,7 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
     if target_depth is not None and not 0.0 <= target_depth <= 1.0:
         raise ValueError(f"target_depth must be in [0, 1], got {target_depth}")
     rng = np.random.default_rng(rng_or_seed)
-    res = _resources(tokenizer, filler_split)
+    stream = _filler_stream(tokenizer, filler_split)
 
     # Fact 0 is the asked one; the pairs are random, so this is no bias.
     pairs = _subject_pairs(rng, num_facts, shared_word)
@@ -190,7 +204,7 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
     codes = ["".join(map(str, rng.integers(0, 10, size=CODE_DIGITS))) for _ in subjects]
     period = _encode(tokenizer, ".")
     fact_ids = [np.concatenate([_encode(tokenizer, f" The code of the {s} is "),
-                                _code_ids(res, c), period])
+                                _code_ids(tokenizer, c), period])
                 for s, c in zip(subjects, codes)]
     facts = [f" The code of the {s} is {c}." for s, c in zip(subjects, codes)]
     question = question_text(subjects[0])
@@ -200,7 +214,7 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
     if filler_size < 0:
         raise ValueError(f"length_tokens={length_tokens} is too small: <bos>, {num_facts} facts "
                          f"and the question take {length_tokens - filler_size} tokens here")
-    filler, mask = _filler(rng, res, filler_size)
+    filler, mask = _filler(rng, stream, filler_size)
     points, target = _insertion_points(rng, mask, num_facts, target_depth)
     order = [*range(1, target + 1), 0, *range(target + 1, num_facts)]
 
@@ -213,7 +227,7 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
         prev = point
     parts += [filler[prev:], question_ids]
     return HaystackSample(
-        ids=np.concatenate(parts), answer_ids=_code_ids(res, codes[0]),
+        ids=np.concatenate(parts), answer_ids=_code_ids(tokenizer, codes[0]),
         answer=codes[0], question=question, facts=tuple(facts[k] for k in order),
         fact_positions=np.array(positions, dtype=np.int32), target_fact=target,
         subjects=tuple(subjects[k] for k in order), codes=tuple(codes[k] for k in order),
@@ -237,13 +251,12 @@ def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, 
                            num_facts=num_facts, target_depth=target_depth, shared_word=shared_word,
                            filler_split=filler_split)
                for i in range(batch)]
-    res = _resources(tokenizer)
     return {
         "ids": np.stack([s.ids for s in samples]),
         "answer_ids": np.stack([s.answer_ids for s in samples]),
         "fact_positions": np.stack([s.fact_positions for s in samples]),
         "target_fact": np.array([s.target_fact for s in samples], dtype=np.int32),
-        "fact_answer_ids": np.stack([[_code_ids(res, c) for c in s.codes] for s in samples]),
+        "fact_answer_ids": np.stack([[_code_ids(tokenizer, c) for c in s.codes] for s in samples]),
         "shares_word": np.array([shares_word(s) for s in samples]),
     }
 
