@@ -17,9 +17,9 @@ subject shares the asked subject's colour or object. Every exact match comes wit
 interval (`exact_match_ci95`, the error bars of the plot). `goal` scores each ARMT row at 4x the
 longest training sample of the checkpoint's `training.json` against the 90% target. The filler is
 the validation split's text; when the checkpoint's lineage trained on that text too (`training.json`),
-a row `armt_{n}_facts_unseen_filler` (the smallest count) repeats the sweep on train-split filler:
-text the base model pretrained on but the memory never met as filler in fine-tuning, so the plot shows
-how much of the accuracy is owed to knowing the filler.
+a row `armt_{n}_facts_unseen_filler` (the smallest count) repeats the sweep on the first split the
+memory never met as filler in fine-tuning (train, text the base model pretrained on; else calibration,
+text no training saw), so the plot shows how much of the accuracy is owed to knowing the filler.
 Writes bench/results/armt_retrieval.{json,png}.
 """
 
@@ -42,6 +42,7 @@ from jaxlongctx.loading import load  # noqa: E402
 from jaxlongctx.train.evaluate import DIGIT_CHANCE, retrieval_accuracy  # noqa: E402
 
 GOAL_FACTOR, GOAL_EXACT_MATCH = 4, 0.9  # the target: 90% exact match at 4x the longest training sample
+UNSEEN_FILLER_ORDER = ("train", "calibration")  # where the unseen-filler row looks, in this order
 
 
 def main() -> None:
@@ -112,14 +113,17 @@ def longest_training_tokens(ckpt: Path) -> int | None:
 
 
 def unseen_filler_split(ckpt: Path) -> str | None:
-    """"train" when the lineage in `ckpt/training.json` fine-tuned on the evaluation filler (the
-    validation split; runs recorded without `filler_split` predate the option and used it) and never on
-    the train split; None otherwise (no record, or the validation text is already new to it)."""
+    """The first split of UNSEEN_FILLER_ORDER that the lineage in `ckpt/training.json` never drew
+    filler from, when it fine-tuned on the evaluation filler (the validation split; runs recorded
+    without `filler_split` predate the option and used it); None otherwise (no record, every split
+    seen, or the validation text is already new to it)."""
     record = ckpt / "training.json"
     if not record.is_file():
         return None
     used = {run.get("filler_split", FILLER_SPLIT) for run in json.loads(record.read_text())["runs"]}
-    return "train" if FILLER_SPLIT in used and "train" not in used else None
+    if FILLER_SPLIT not in used:
+        return None
+    return next((split for split in UNSEEN_FILLER_ORDER if split not in used), None)
 
 
 def goal_check(rows: dict[str, list[dict]], longest: int | None) -> dict | None:

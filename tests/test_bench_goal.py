@@ -37,10 +37,11 @@ def test_goal_check_scores_armt_rows_at_four_times_the_longest_sample():
     assert goal_check(rows, 16384) is None and goal_check(rows, None) is None
 
 
-def test_unseen_filler_split_is_train_while_the_lineage_trained_on_validation_filler(tmp_path):
-    assert unseen_filler_split(ARMT_MODEL) == "train"  # every shipped run drew filler from validation
+def test_unseen_filler_split_is_the_first_split_the_lineage_never_drew_filler_from(tmp_path):
+    assert unseen_filler_split(ARMT_MODEL) == "calibration"  # the shipped runs drew validation, then train filler
     cases = [([{"filler_split": "validation"}, {}], "train"),  # a run without the field predates it: validation
-             ([{"filler_split": "validation"}, {"filler_split": "train"}], None),  # train text already seen
+             ([{"filler_split": "validation"}, {"filler_split": "train"}], "calibration"),  # train text seen
+             ([{}, {"filler_split": "train"}, {"filler_split": "calibration"}], None),  # every split seen
              ([{"filler_split": "train"}], None)]  # validation filler is new to it: the main rows are held out
     for runs, expected in cases:
         (tmp_path / "training.json").write_text(json.dumps({"runs": runs}))
