@@ -36,13 +36,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
+from jaxlongctx.data.corpus import SPLITS  # noqa: E402
 from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL  # noqa: E402
 from jaxlongctx.loading import load  # noqa: E402
 from jaxlongctx.train.evaluate import DIGIT_CHANCE, retrieval_accuracy  # noqa: E402
 
 GOAL_FACTOR, GOAL_EXACT_MATCH = 4, 0.9  # the target: 90% exact match at 4x the longest training sample
-UNSEEN_FILLER_ORDER = ("train", "calibration")  # where the unseen-filler row looks, in this order
+UNSEEN_FILLER_ORDER = tuple(s for s in SPLITS if s != FILLER_SPLIT)  # train, then calibration
 
 
 def main() -> None:
