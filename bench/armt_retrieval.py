@@ -11,7 +11,9 @@ attention runs on the largest count, twice: the pretrained base model, and the A
 fine-tuned weights without the memory. ARMT rows also split the samples by whether the answer
 needed the memory, by how deep in the prompt the asked fact lies (a third panel plots exact
 match against that depth for the largest count) and by whether another fact's subject shares a
-word with the asked one; they count answers that are another fact's code. A last ARMT row
+word with the asked one; they count wrong answers per digit and first digits that start another
+fact's code (the digit that picks the fact; teacher forcing hides the rest). (bench/armt_fact_errors.py
+looks closer at those errors.) A last ARMT row
 (`armt_{n}_facts_near_miss`, the largest count if above 1) asks only near misses: every other fact's
 subject shares the asked subject's colour or object. Every exact match comes with its 95% Wilson
 interval (`exact_match_ci95`, the error bars of the plot). `goal` scores each ARMT row at 4x the

@@ -102,15 +102,18 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     digit) and `from_memory_*` for the rest (facts only the memory can bring); an empty split is None.
     `by_depth` splits the samples by the asked fact's relative position in the prompt, in quarters
     (depth 0 = the first token, far from the question). `shared_word_*` / `distinct_words_*` split
-    them by whether another fact's subject shares the asked subject's colour or object, and
-    `other_fact_rate` is the share of samples answered with another fact's whole code. With
+    them by whether another fact's subject shares the asked subject's colour or object.
+    `wrong_digit_rate [CODE_DIGITS]` is the share of samples wrong at each answer digit, and
+    `first_digit_other_fact_rate` the share whose first digit is wrong and starts another fact's code:
+    teacher forcing feeds the right first digit to the later ones, so a sample whose greedy answer is
+    another fact's code shows here as a wrong first digit (that digit picks the fact). With
     `shared_word` every sample is a near miss (`make_sample(shared_word=True)`). The filler comes from the
     corpus split `filler_split` (by default the validation split, which the base model never trained on).
     """
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
     tokenizer = load_default_tokenizer()
-    hits, asked, shared, other = [], [], [], []
+    hits, asked, shared, other_start = [], [], [], []
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
         raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts, shared_word=shared_word,
@@ -120,12 +123,13 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         hits.append(pred == raw["answer_ids"])
         asked.append(raw["fact_positions"][np.arange(b), raw["target_fact"]])
         shared.append(raw["shares_word"])
-        is_code = (pred[:, None] == raw["fact_answer_ids"]).all(axis=-1)  # B F: pred is fact f's code
-        is_code[np.arange(b), raw["target_fact"]] = False
-        other.append(is_code.any(axis=1) & (pred != raw["answer_ids"]).any(axis=1))
+        starts = pred[:, None, 0] == raw["fact_answer_ids"][:, :, 0]  # B F: first digit starts fact f's code
+        starts[np.arange(b), raw["target_fact"]] = False
+        other_start.append(starts.any(axis=1) & (pred[:, 0] != raw["answer_ids"][:, 0]))
     hit, fact_at, shared = np.concatenate(hits), np.concatenate(asked), np.concatenate(shared)  # N D, N, N
     out = {"length": length, "num_facts": num_facts, "shared_word_haystack": shared_word, **_scores(hit),
-           "by_depth": _by_depth(hit, fact_at / length), "other_fact_rate": float(np.concatenate(other).mean())}
+           "by_depth": _by_depth(hit, fact_at / length), "wrong_digit_rate": (1.0 - hit.mean(axis=0)).tolist(),
+           "first_digit_other_fact_rate": float(np.concatenate(other_start).mean())}
     splits = [("shared_word", shared), ("distinct_words", ~shared)]
     if segment_size is not None:
         where = fact_at >= window_start(length, segment_size)  # in the decoding window
