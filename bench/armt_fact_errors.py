@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
 from jaxlongctx.armt.generation import generate_ids  # noqa: E402
-from jaxlongctx.data.haystack import CODE_DIGITS, eval_seed, make_batch  # noqa: E402
+from jaxlongctx.data.haystack import CODE_DIGITS, held_out_batch  # noqa: E402
 from jaxlongctx.data.tokenizer import load_default_tokenizer  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL  # noqa: E402
 from jaxlongctx.loading import load  # noqa: E402
@@ -34,17 +34,15 @@ GREEDY_BATCH = 8
 
 
 def greedy_answers(armt, length: int, samples: int, num_facts: int) -> dict[str, float]:
-    """Greedy decoding of the answers of `retrieval_accuracy`'s samples (evaluation seed i, one sample
-    each): exact match and the share of samples answered with another fact's whole code."""
+    """Greedy decoding of the answers of `retrieval_accuracy`'s samples (the same held-out prompts):
+    exact match and the share of samples answered with another fact's whole code."""
     tokenizer = load_default_tokenizer()
     right = other = 0
     for start in range(0, samples, GREEDY_BATCH):
-        raws = [make_batch(eval_seed(i), 1, length, tokenizer, num_facts=num_facts)
-                for i in range(start, min(start + GREEDY_BATCH, samples))]
-        ids = np.concatenate([r["ids"] for r in raws])  # B T
-        answer = np.concatenate([r["answer_ids"] for r in raws])  # B D
-        codes = np.concatenate([r["fact_answer_ids"] for r in raws])  # B F D
-        got = np.asarray(generate_ids(armt, ids, CODE_DIGITS))[:, -CODE_DIGITS:]  # B D
+        raw = held_out_batch(range(start, min(start + GREEDY_BATCH, samples)), length, tokenizer,
+                             num_facts=num_facts)
+        answer, codes = raw["answer_ids"], raw["fact_answer_ids"]  # B D, B F D
+        got = np.asarray(generate_ids(armt, raw["ids"], CODE_DIGITS))[:, -CODE_DIGITS:]  # B D
         ok = (got == answer).all(axis=1)
         right += int(ok.sum())
         other += int(((got[:, None] == codes).all(axis=-1).any(axis=1) & ~ok).sum())

@@ -291,3 +291,16 @@ def test_train_and_eval_seeds_are_disjoint(tok):
     train = make_batch(haystack.train_seed(0), 2, 512, tok)
     held_out = make_batch(haystack.eval_seed(0), 2, 512, tok)
     assert not np.array_equal(train["ids"], held_out["ids"])
+
+
+def test_held_out_sample_is_the_same_in_any_batch(tok):
+    """Evaluation sample i does not depend on the batch it is drawn in (scores are batch-size free)."""
+    whole = haystack.held_out_batch(range(5), 512, tok, num_facts=2)
+    parts = [haystack.held_out_batch(r, 512, tok, num_facts=2) for r in (range(0, 2), range(2, 5))]
+    one = make_batch(haystack.eval_seed(3), 1, 512, tok, num_facts=2)
+    for key, value in whole.items():
+        np.testing.assert_array_equal(value, np.concatenate([p[key] for p in parts]))
+        np.testing.assert_array_equal(value[3:4], one[key])
+    assert len(np.unique(whole["ids"], axis=0)) == 5
+    with pytest.raises(ValueError, match="empty"):
+        haystack.held_out_batch(range(0), 512, tok)

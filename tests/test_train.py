@@ -376,11 +376,11 @@ def test_retrieval_accuracy_by_fact_depth():
 
 
 def test_retrieval_accuracy_counts_wrong_digits_and_first_digits_of_another_fact():
-    from jaxlongctx.data.haystack import eval_seed, make_batch
+    from jaxlongctx.data.haystack import held_out_batch
     from jaxlongctx.train.evaluate import retrieval_accuracy
 
     length, samples, batch_size = 512, 12, 4
-    batches = [make_batch(eval_seed(i), batch_size, length, load_default_tokenizer())
+    batches = [held_out_batch(range(i, i + batch_size), length, load_default_tokenizer())
                for i in range(0, samples, batch_size)]
 
     def first_fact_answerer(ids, prompt_length):  # always answers the code of the prompt's first fact
@@ -402,6 +402,9 @@ def test_retrieval_accuracy_counts_wrong_digits_and_first_digits_of_another_fact
     assert out["wrong_digit_rate"] == pytest.approx(wrong.tolist())
     assert out["shared_word_samples"] == shared.sum() and out["distinct_words_samples"] == samples - shared.sum()
     assert out["shared_word_exact_match"] == (target[shared] == 0).mean()
+    batches = [held_out_batch(range(i, min(i + 5, samples)), length, load_default_tokenizer())
+               for i in range(0, samples, 5)]
+    assert retrieval_accuracy(first_fact_answerer, length, samples, batch_size=5) == out  # same prompts
     near = retrieval_accuracy(lambda ids, n: np.zeros((*ids.shape, 4096), np.float32), length, 4, batch_size=2,
                               shared_word=True)
     assert near["shared_word_haystack"] and near["shared_word_samples"] == 4 and not out["shared_word_haystack"]

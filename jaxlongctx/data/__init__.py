@@ -7,6 +7,7 @@ from jaxlongctx.data.haystack import (
     TRAIN_SEED_BASE,
     HaystackSample,
     eval_seed,
+    held_out_batch,
     make_batch,
     make_sample,
     train_seed,
@@ -24,6 +25,6 @@ from jaxlongctx.data.tokenizer import (
 __all__ = [
     "BOS_ID", "CODE_DIGITS", "EOS_ID", "EVAL_SEED_BASE", "PAD_ID", "SPLITS", "TRAIN_SEED_BASE",
     "HaystackSample", "build_assets", "corpus_stats", "encode_corpus", "eval_seed",
-    "load_corpus", "load_default_tokenizer", "make_batch", "make_sample", "train_seed",
+    "held_out_batch", "load_corpus", "load_default_tokenizer", "make_batch", "make_sample", "train_seed",
     "train_tokenizer",
 ]

@@ -251,6 +251,25 @@ def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, 
                            num_facts=num_facts, target_depth=target_depth, shared_word=shared_word,
                            filler_split=filler_split)
                for i in range(batch)]
+    return _stack(samples, tokenizer)
+
+
+def held_out_batch(indices: range, length_tokens: int, tokenizer: Tokenizer, num_facts: int = 4,
+                   shared_word: bool = False, filler_split: str = FILLER_SPLIT) -> dict[str, np.ndarray]:
+    """Held-out evaluation samples ``indices``, stacked as :func:`make_batch` stacks them.
+
+    Sample i is ``make_batch(eval_seed(i), 1, ...)``'s one sample whatever batch it is drawn in, so
+    every evaluation with the same sample count scores the same prompts, at any batch size.
+    """
+    if not len(indices):
+        raise ValueError("indices must not be empty")
+    return _stack([make_sample(np.random.default_rng([eval_seed(i), 0]), length_tokens, tokenizer,
+                               num_facts=num_facts, shared_word=shared_word, filler_split=filler_split)
+                   for i in indices], tokenizer)
+
+
+def _stack(samples: list[HaystackSample], tokenizer: Tokenizer) -> dict[str, np.ndarray]:
+    """Samples as arrays with a leading batch axis, plus every fact's code ids and near-miss flag."""
     return {
         "ids": np.stack([s.ids for s in samples]),
         "answer_ids": np.stack([s.answer_ids for s in samples]),

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from jaxlongctx.armt.generation import window_start
-from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, eval_seed, make_batch
+from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, held_out_batch
 from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
 from jaxlongctx.model.attention import causal_prefill_attention
 from jaxlongctx.model.layers import DecoderLayer
@@ -116,8 +116,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     hits, asked, shared, other_start = [], [], [], []
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
-        raw = make_batch(eval_seed(i), b, length, tokenizer, num_facts=num_facts, shared_word=shared_word,
-                         filler_split=filler_split)
+        raw = held_out_batch(range(i, i + b), length, tokenizer, num_facts=num_facts, shared_word=shared_word,
+                             filler_split=filler_split)
         logits = model(answer_inputs(raw["ids"], raw["answer_ids"]), length)  # B T V
         pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
         hits.append(pred == raw["answer_ids"])
