@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.armt_retrieval import diagonal_decoding_logits  # noqa: E402
 from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
 from jaxlongctx.armt.generation import generate_ids  # noqa: E402
 from jaxlongctx.data.haystack import CODE_DIGITS, held_out_batch  # noqa: E402
@@ -58,8 +59,7 @@ def main() -> None:
     segment = armt.armt.segment_size
     plan = [(segment, 8), (512, 8)] if args.quick else [(segment, 128), (512, 64), (4096, 32)]
 
-    def decoding_logits(ids, prompt_length):
-        return armt.generation_logits(ids, prompt_length, schedule="diagonal")
+    decoding_logits = diagonal_decoding_logits(armt)
 
     cells = []
     for facts in (2, 4):

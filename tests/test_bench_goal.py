@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from bench.armt_retrieval import goal_check, longest_training_tokens, unseen_filler_split
 from jaxlongctx.demo import ARMT_MODEL
 from jaxlongctx.train.evaluate import exact_match_interval
@@ -47,3 +49,26 @@ def test_unseen_filler_split_is_the_first_split_the_lineage_never_drew_filler_fr
         (tmp_path / "training.json").write_text(json.dumps({"runs": runs}))
         assert unseen_filler_split(tmp_path) == expected
     assert unseen_filler_split(tmp_path / "missing") is None
+
+
+def test_goal_only_scores_each_fact_count_at_the_goal_length(tmp_path, monkeypatch):
+    """`--goal-only` on the shipped weights with a lineage whose longest sample is 128 tokens: one
+    512-token cell per fact count, scored against the goal, written as its own result."""
+    import shutil
+
+    import bench.common
+    from bench.armt_retrieval import goal_only
+
+    ckpt = tmp_path / "armt"
+    shutil.copytree(ARMT_MODEL, ckpt)
+    (ckpt / "training.json").write_text(json.dumps({"runs": [{"curriculum": [{"tokens": 128}]}]}))
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path / "results")
+    goal_only(ckpt, [1, 2], samples=4)
+    out = json.loads((tmp_path / "results" / "armt_retrieval_goal.json").read_text())
+    assert out["goal"]["length"] == 512 and set(out["goal"]["rows"]) == {"armt_1_facts", "armt_2_facts"}
+    cell = out["results"]["armt_2_facts"][0]
+    assert cell["length"] == 512 and cell["samples"] == 4 and cell["num_facts"] == 2
+    assert out["goal"]["rows"]["armt_2_facts"]["exact_match"] == cell["exact_match"]
+    (ckpt / "training.json").unlink()
+    with pytest.raises(SystemExit, match="training.json"):
+        goal_only(ckpt, [1], samples=4)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxlongctx.armt.generation import window_start
 from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, held_out_batch
@@ -91,7 +92,8 @@ def answer_inputs(ids: np.ndarray, answer_ids: np.ndarray) -> np.ndarray:
 
 def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: int, samples: int,
                        batch_size: int = 1, num_facts: int = 4, segment_size: int | None = None,
-                       shared_word: bool = False, filler_split: str = FILLER_SPLIT) -> dict[str, float | None]:
+                       shared_word: bool = False, filler_split: str = FILLER_SPLIT,
+                       progress: bool = False) -> dict[str, float | None]:
     """Greedy exact-match and per-digit accuracy on held-out haystack prompts of `length` tokens
     (teacher-forced argmax: all digits right under teacher forcing == greedy decode right).
 
@@ -109,11 +111,13 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     another fact's code shows here as a wrong first digit (that digit picks the fact). With
     `shared_word` every sample is a near miss (`make_sample(shared_word=True)`). The filler comes from the
     corpus split `filler_split` (by default the validation split, which the base model never trained on).
+    `progress` shows a bar over the samples.
     """
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
     tokenizer = load_default_tokenizer()
     hits, asked, shared, other_start = [], [], [], []
+    bar = tqdm(total=samples, desc=f"retrieval at {length:,} tokens", unit="sample", disable=not progress)
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
         raw = held_out_batch(range(i, i + b), length, tokenizer, num_facts=num_facts, shared_word=shared_word,
@@ -126,6 +130,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         starts = pred[:, None, 0] == raw["fact_answer_ids"][:, :, 0]  # B F: first digit starts fact f's code
         starts[np.arange(b), raw["target_fact"]] = False
         other_start.append(starts.any(axis=1) & (pred[:, 0] != raw["answer_ids"][:, 0]))
+        bar.update(b)
+    bar.close()
     hit, fact_at, shared = np.concatenate(hits), np.concatenate(asked), np.concatenate(shared)  # N D, N, N
     out = {"length": length, "num_facts": num_facts, "shared_word_haystack": shared_word, **_scores(hit),
            "by_depth": _by_depth(hit, fact_at / length), "wrong_digit_rate": (1.0 - hit.mean(axis=0)).tolist(),
