@@ -211,6 +211,37 @@ def test_facts_at_different_depths(tok):
         assert abs(s.fact_positions[s.target_fact] / 8192 - depth) < 0.1
 
 
+def test_code_offset_and_split_by_boundary(tok):
+    sample = make_sample(4, 2048, tok, num_facts=3)
+    batch = make_batch(4, 1, 2048, tok, num_facts=3)
+    for fact, text in enumerate(sample.facts):
+        start = int(sample.fact_positions[fact]) + haystack.code_offset(sample, fact, tok)
+        assert tok.decode(sample.ids[start:start + CODE_DIGITS].tolist()) == sample.codes[fact]
+        head = tok.decode(sample.ids[sample.fact_positions[fact]:start].tolist())
+        assert head.strip() == f"The code of the {sample.subjects[fact]} is"
+    asked = make_sample(np.random.default_rng([4, 0]), 2048, tok, num_facts=3)
+    assert batch["code_start"][0] == asked.fact_positions[asked.target_fact] + haystack.code_offset(
+        asked, asked.target_fact, tok)
+    # segments of 8: the boundary at 16 splits codes starting at 13..18 (from " is" at 16 to the last digit at 16)
+    split = haystack.code_split_by_boundary(np.arange(11, 21), 8)
+    assert np.flatnonzero(split).tolist() == [2, 3, 4, 5, 6, 7] and split.shape == (10,)
+
+
+def test_shift_facts_earlier_keeps_facts_and_length(tok):
+    sample = make_sample(6, 4096, tok, num_facts=3)
+    shift = int(sample.fact_positions[0]) - 1
+    moved = haystack.shift_facts_earlier(sample, shift, tok, np.random.default_rng(0))
+    _check_sample(moved, tok, 4096, 3)
+    np.testing.assert_array_equal(moved.fact_positions, sample.fact_positions - shift)
+    assert moved.fact_positions[0] == 1  # the first fact now follows <bos>
+    question = len(tok.encode(sample.question, add_special_tokens=False).ids)
+    np.testing.assert_array_equal(moved.ids[1:-question - shift], sample.ids[1 + shift:-question])  # same text, moved
+    assert not np.array_equal(moved.ids[-question - shift:-question], sample.ids[1:1 + shift])  # new filler
+    assert haystack.shift_facts_earlier(sample, 0, tok, np.random.default_rng(0)).ids.tolist() == sample.ids.tolist()
+    with pytest.raises(ValueError, match="shift"):
+        haystack.shift_facts_earlier(sample, shift + 1, tok, np.random.default_rng(0))
+
+
 def test_minimum_length(tok):
     # Facts and question depend only on the seed, so zero filler is reachable exactly.
     probe = make_sample(5, 512, tok)

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxlongctx.data.haystack import CODE_DIGITS
+from jaxlongctx.data.haystack import CODE_DIGITS, code_split_by_boundary, held_out_batch
 from jaxlongctx.data.tokenizer import BOS_ID, encode_corpus, load_default_tokenizer
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL
 from jaxlongctx.model.llama import forward
@@ -171,6 +171,18 @@ def test_armt_curriculum_and_answer_positions():
     assert kinds == {True, False}  # near misses and samples with random subjects both occur
     with pytest.raises(ValueError, match="shared_word_fraction"):
         haystack_batch(0, 1, 256, tok, 128, num_facts=1, shared_word_fraction=2.0)
+
+    def code_splits(batch):  # samples whose asked code starts within 2 tokens of a segment boundary
+        count = 0
+        for ids, answer, n in zip(batch["ids"], batch["answer_ids"], batch["lengths"]):
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:n - CODE_DIGITS], CODE_DIGITS)
+            start = np.flatnonzero((windows == answer).all(axis=1))[0] % 128  # the asked fact's code in the prompt
+            count += start > 128 - CODE_DIGITS or start < 3  # the boundary after the subject, before the last digit
+        return count
+    assert code_splits(haystack_batch(0, 12, 1024, tok, 128, num_facts=(1, 3), split_fraction=1.0)) >= 10
+    assert code_splits(haystack_batch(0, 12, 1024, tok, 128, num_facts=(1, 3))) <= 3
+    with pytest.raises(ValueError, match="split_fraction"):
+        haystack_batch(0, 1, 256, tok, 128, num_facts=1, split_fraction=-1.0)
 
     short = haystack_batch(0, 2, 64, load_default_tokenizer(), 128, num_facts=1)  # one padded segment
     assert short["seg_ids"].shape == (1, 2, 128) and short["ids"].shape == (2, 64)
@@ -327,6 +339,9 @@ def test_retrieval_accuracy_splits_attention_from_memory():
     full = score(None, 380, segment_size=128)  # answer digits predicted at 379..382: all in segment 2
     assert full["exact_match"] == 1.0 and full["samples"] == 8
     assert full["in_segment_samples"] > 0 and full["from_memory_samples"] > 0
+    codes = held_out_batch(range(8), 380, load_default_tokenizer(), num_facts=1)["code_start"]
+    assert full["code_split_samples"] == code_split_by_boundary(codes, 128).sum()
+    assert full["code_split_samples"] + full["code_whole_samples"] == 8
     windowed = score(128, 380, segment_size=128)  # sees only its own segment, like attention in ARMT
     assert windowed["in_segment_exact_match"] == 1.0 and windowed["from_memory_exact_match"] == 0.0
     # a prompt of whole segments: the answer is decoded in the window its last segment opened ...

@@ -17,6 +17,7 @@ digits), so greedy exact-match chance is ``10 ** -CODE_DIGITS`` and per-digit ch
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -234,14 +235,44 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
         filler_tokens=int(filler_size))
 
 
+def code_offset(sample: HaystackSample, fact: int, tokenizer: Tokenizer) -> int:
+    """Offset of ``facts[fact]``'s first code digit from the fact's first token."""
+    return _encode(tokenizer, f" The code of the {sample.subjects[fact]} is ").size  # ends " is", " "
+
+
+def code_split_by_boundary(code_start: np.ndarray, segment_size: int) -> np.ndarray:
+    """Whether a segment boundary separates a fact's subject from its code's last digit, for codes whose
+    first digit is at ``code_start`` (any shape): a segment starts at a token from the one after the
+    subject (" is", 2 before the code) to the code's last digit ("... blue box is 47" | "11.")."""
+    code_start = np.asarray(code_start)
+    last_boundary = (code_start + CODE_DIGITS - 1) // segment_size * segment_size
+    return last_boundary >= code_start - 2
+
+
+def shift_facts_earlier(sample: HaystackSample, shift: int, tokenizer: Tokenizer,
+                        rng: np.random.Generator, filler_split: str = FILLER_SPLIT) -> HaystackSample:
+    """The sample with every fact ``shift`` tokens earlier and the same length: ``shift`` filler
+    tokens after ``<bos>`` are dropped and as many new ones (a random span of ``filler_split``) go
+    right before the question. ``shift`` must not exceed the filler ahead of the first fact."""
+    ahead = int(sample.fact_positions[0]) - 1
+    if not 0 <= shift <= ahead:
+        raise ValueError(f"shift must be in [0, {ahead}] (the filler ahead of the first fact), got {shift}")
+    question = _encode(tokenizer, sample.question).size
+    extra, _ = _filler(rng, _filler_stream(tokenizer, filler_split), shift)
+    ids = np.concatenate([sample.ids[:1], sample.ids[1 + shift:sample.ids.size - question], extra,
+                          sample.ids[sample.ids.size - question:]])
+    return dataclasses.replace(sample, ids=ids, fact_positions=sample.fact_positions - shift)
+
+
 def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, num_facts: int = 4,
                target_depth: float | None = None, shared_word: bool = False,
                filler_split: str = FILLER_SPLIT) -> dict[str, np.ndarray]:
     """Stacked samples; sample i is ``make_sample(np.random.default_rng([seed, i]), ...)``.
 
     Besides the prompt (``ids``), answer, fact offsets and asked fact's index, it holds every fact's
-    code digits in position order (``fact_answer_ids`` ``[B, F, CODE_DIGITS]``) and whether the asked
-    subject shares a word with another fact's (``shares_word`` ``[B]``).
+    code digits in position order (``fact_answer_ids`` ``[B, F, CODE_DIGITS]``), whether the asked
+    subject shares a word with another fact's (``shares_word`` ``[B]``) and the offset of the asked
+    code's first digit (``code_start`` ``[B]``).
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
@@ -277,6 +308,8 @@ def _stack(samples: list[HaystackSample], tokenizer: Tokenizer) -> dict[str, np.
         "target_fact": np.array([s.target_fact for s in samples], dtype=np.int32),
         "fact_answer_ids": np.stack([[_code_ids(tokenizer, c) for c in s.codes] for s in samples]),
         "shares_word": np.array([shares_word(s) for s in samples]),
+        "code_start": np.array([s.fact_positions[s.target_fact] + code_offset(s, s.target_fact, tokenizer)
+                                for s in samples], dtype=np.int32),
     }
 
 

@@ -29,7 +29,8 @@ from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.armt.segments import Segments, segment
 from jaxlongctx.data.corpus import SPLITS
-from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, follow_up_ids, make_sample, train_seed
+from jaxlongctx.data.haystack import (CODE_DIGITS, FILLER_SPLIT, code_offset, follow_up_ids, make_sample,
+                                      shift_facts_earlier, train_seed)
 from jaxlongctx.data.tokenizer import load_default_tokenizer
 from jaxlongctx.train.evaluate import retrieval_accuracy
 from jaxlongctx.train.optim import OptimConfig, make_optimizer
@@ -73,7 +74,8 @@ def stage_per_step(stages: list[Stage]) -> list[Stage]:
 def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, segment_size: int,
                    num_facts: int | tuple[int, int], boundary_fraction: float = 0.0,
                    far_fraction: float = 0.0, follow_ups: bool = False,
-                   shared_word_fraction: float = 0.0, filler_split: str = TRAIN_FILLER_SPLIT) -> dict[str, np.ndarray]:
+                   shared_word_fraction: float = 0.0, filler_split: str = TRAIN_FILLER_SPLIT,
+                   split_fraction: float = 0.0) -> dict[str, np.ndarray]:
     """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
     the supervised answer digits, with `T = total_tokens`.
 
@@ -89,6 +91,10 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     of the samples are near misses: every other fact's subject shares the asked subject's colour or
     object (otherwise subjects are random). `num_facts` is a count, or a range `(lo, hi)` from which
     each sample draws its own count uniformly. The filler comes from the corpus split `filler_split`.
+    About `split_fraction` of the samples shift their text so that a segment boundary falls between
+    the asked fact's subject and its code's last digit, the binding only the memory can carry (at
+    uniform positions that is about 5% of facts; where the filler ahead of the first fact is shorter
+    than the shift, the sample stays as it is).
 
     With `follow_ups`, the answer is followed by questions about the sample's other facts, in random
     order, each with its answer (as many as fit in T), so that one sample supervises up to `hi` answers.
@@ -101,7 +107,7 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     if not 1 <= lo <= hi:
         raise ValueError(f"num_facts must be >= 1 (a range lo <= hi), got {num_facts}")
     for name, value in (("boundary_fraction", boundary_fraction), ("far_fraction", far_fraction),
-                        ("shared_word_fraction", shared_word_fraction)):
+                        ("shared_word_fraction", shared_word_fraction), ("split_fraction", split_fraction)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
     rng = np.random.default_rng([seed, 1])
@@ -133,6 +139,13 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
         if boundary and whole >= max(fixed, segment_size):
             prompt = whole
         sample = longest if prompt == longest.ids.size else make(np.random.default_rng([seed, i]), prompt)
+        if split_fraction and rng.random() < split_fraction:
+            # a segment starts from 2 tokens before the asked code to its last digit (code_split_by_boundary)
+            asked = sample.target_fact
+            code_at = int(sample.fact_positions[asked]) + code_offset(sample, asked, tokenizer)
+            shift = (code_at + int(rng.integers(-2, CODE_DIGITS))) % segment_size
+            if shift < sample.fact_positions[0]:
+                sample = shift_facts_earlier(sample, shift, tokenizer, rng, filler_split)
         parts, pos, digits, offset = [sample.ids, sample.answer_ids], [prompt - 1], [sample.answer_ids], prompt
         for question, code in follow:
             offset += CODE_DIGITS + question.size
@@ -185,7 +198,8 @@ def retrieval_loss(logits: jnp.ndarray, batch: dict[str, jnp.ndarray], lm_weight
 def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, stages: list[Stage],
                  num_facts: int | tuple[int, int] = 1, lm_weight: float = 1.0, freeze_base: bool = False, seed: int = 0,
                  boundary_fraction: float = 0.0, far_fraction: float = 0.0, follow_ups: bool = False,
-                 shared_word_fraction: float = 0.0, filler_split: str = TRAIN_FILLER_SPLIT) -> Trainer:
+                 shared_word_fraction: float = 0.0, filler_split: str = TRAIN_FILLER_SPLIT,
+                 split_fraction: float = 0.0) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
     params, and the base weights unless `freeze_base`)."""
     tokenizer = load_default_tokenizer()
@@ -199,7 +213,7 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, st
         stage = per_step[step]
         return haystack_batch(train_seed(seed * 1_000_000 + step), stage.batch_size, stage.tokens, tokenizer, s,
                               num_facts, boundary_fraction, far_fraction, follow_ups, shared_word_fraction,
-                              filler_split)
+                              filler_split, split_fraction)
 
     def loss_fn(params, frozen, batch):
         full = (frozen, params) if freeze_base else params
@@ -242,6 +256,9 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of near-miss samples, whose other facts' subjects all share the asked subject's "
                              "colour or object (\"blue box\" among \"blue jar\", \"red box\"); default 0: random "
                              "subjects")
+    parser.add_argument("--split-fraction", type=float, default=0.0,
+                        help="share of samples shifted so that a segment boundary separates the asked fact's "
+                             "subject from its code's last digit (default 0: wherever the fact falls)")
     parser.add_argument("--follow-ups", action="store_true",
                         help="after the answer, ask about each other fact of the sample too (as many as fit), every "
                              "answer supervised: more signal per sample (evaluation always asks one question)")
@@ -307,7 +324,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress)
     trainer = armt_trainer(armt, optim, tcfg, stages, facts, args.lm_weight, args.freeze_base, args.seed,
                            args.boundary_fraction, args.far_fraction, args.follow_ups, args.shared_word_fraction,
-                           args.filler_split)
+                           args.filler_split, args.split_fraction)
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
     trainer.run()
@@ -321,6 +338,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "curriculum": [dataclasses.asdict(stage) for stage in stages], "lm_weight": args.lm_weight,
         "boundary_fraction": args.boundary_fraction, "far_fraction": args.far_fraction,
         "shared_word_fraction": args.shared_word_fraction, "filler_split": args.filler_split,
+        "split_fraction": args.split_fraction,
         "freeze_base": args.freeze_base, "num_facts": list(facts), "follow_ups": args.follow_ups, "resumed": resumed,
         "train_wall_s": trainer.history["wall_s"][-1], "this_session_wall_s": time.perf_counter() - t0,
         "final_loss": trainer.history["loss"][-1],

@@ -16,7 +16,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxlongctx.armt.generation import window_start
-from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, held_out_batch
+from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, code_split_by_boundary, held_out_batch
 from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
 from jaxlongctx.model.attention import causal_prefill_attention
 from jaxlongctx.model.layers import DecoderLayer
@@ -101,7 +101,9 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     `prompt_length` tokens of ids computes (a full-attention model ignores the length; ARMT:
     `ARMTModel.generation_logits`). With `segment_size` (ARMT), also split the samples: `in_segment_*`
     where the asked fact lies in the decoding window (the prompt's last segment, in view of every answer
-    digit) and `from_memory_*` for the rest (facts only the memory can bring); an empty split is None.
+    digit) and `from_memory_*` for the rest (facts only the memory can bring); `code_split_*` where a
+    segment boundary separates the asked fact's subject from its code's last digit (the binding then
+    spans two segments: `code_split_by_boundary`) and `code_whole_*` for the rest; an empty split is None.
     `by_depth` splits the samples by the asked fact's relative position in the prompt, in quarters
     (depth 0 = the first token, far from the question). `shared_word_*` / `distinct_words_*` split
     them by whether another fact's subject shares the asked subject's colour or object.
@@ -116,7 +118,7 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
     tokenizer = load_default_tokenizer()
-    hits, asked, shared, other_start = [], [], [], []
+    hits, asked, shared, other_start, code_at = [], [], [], [], []
     bar = tqdm(total=samples, desc=f"retrieval at {length:,} tokens", unit="sample", disable=not progress)
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
@@ -127,6 +129,7 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         hits.append(pred == raw["answer_ids"])
         asked.append(raw["fact_positions"][np.arange(b), raw["target_fact"]])
         shared.append(raw["shares_word"])
+        code_at.append(raw["code_start"])
         starts = pred[:, None, 0] == raw["fact_answer_ids"][:, :, 0]  # B F: first digit starts fact f's code
         starts[np.arange(b), raw["target_fact"]] = False
         other_start.append(starts.any(axis=1) & (pred[:, 0] != raw["answer_ids"][:, 0]))
@@ -139,7 +142,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     splits = [("shared_word", shared), ("distinct_words", ~shared)]
     if segment_size is not None:
         where = fact_at >= window_start(length, segment_size)  # in the decoding window
-        splits += [("in_segment", where), ("from_memory", ~where)]
+        split = code_split_by_boundary(np.concatenate(code_at), segment_size)
+        splits += [("in_segment", where), ("from_memory", ~where), ("code_split", split), ("code_whole", ~split)]
     for name, rows in splits:
         out.update({f"{name}_{key}": value for key, value in _scores(hit[rows]).items()})
     return out
