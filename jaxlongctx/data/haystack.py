@@ -17,8 +17,7 @@ digits), so greedy exact-match chance is ``10 ** -CODE_DIGITS`` and per-digit ch
 from __future__ import annotations
 
 import functools
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -30,6 +29,7 @@ COLOURS: tuple[str, ...] = ("black", "blue", "brown", "green", "grey", "orange",
 OBJECTS: tuple[str, ...] = ("bag", "book", "bottle", "box", "chest", "door", "drawer",
                             "folder", "jar", "key", "lamp", "safe")
 CODE_DIGITS = 4
+TOKENS_BEFORE_CODE = 2  # " is", " ": between a fact's subject and its code (see fact_head_text)
 FILLER_SPLIT = "validation"  # default filler: text the base model never trained on
 MAX_SHARED_WORD_FACTS = len(COLOURS) + len(OBJECTS) - 1  # the asked subject and all that share a word with it
 
@@ -87,6 +87,11 @@ def _check_seed_index(index: int) -> int:
     if not 0 <= index < SEED_SPACE:
         raise ValueError(f"seed index must be in [0, {SEED_SPACE}), got {index}")
     return index
+
+
+def fact_head_text(subject: str) -> str:
+    """A fact's text up to its code: ``" The code of the blue box is "`` (its last tokens: " is", " ")."""
+    return f" The code of the {subject} is "
 
 
 def question_text(subject: str) -> str:
@@ -204,10 +209,10 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
     subjects = [f"{COLOURS[p // len(OBJECTS)]} {OBJECTS[p % len(OBJECTS)]}" for p in pairs]
     codes = ["".join(map(str, rng.integers(0, 10, size=CODE_DIGITS))) for _ in subjects]
     period = _encode(tokenizer, ".")
-    fact_ids = [np.concatenate([_encode(tokenizer, f" The code of the {s} is "),
+    fact_ids = [np.concatenate([_encode(tokenizer, fact_head_text(s)),
                                 _code_ids(tokenizer, c), period])
                 for s, c in zip(subjects, codes)]
-    facts = [f" The code of the {s} is {c}." for s, c in zip(subjects, codes)]
+    facts = [f"{fact_head_text(s)}{c}." for s, c in zip(subjects, codes)]
     question = question_text(subjects[0])
     question_ids = _encode(tokenizer, question)
 
@@ -237,16 +242,17 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
 
 def code_offset(sample: HaystackSample, fact: int, tokenizer: Tokenizer) -> int:
     """Offset of ``facts[fact]``'s first code digit from the fact's first token."""
-    return _encode(tokenizer, f" The code of the {sample.subjects[fact]} is ").size  # ends " is", " "
+    return _encode(tokenizer, fact_head_text(sample.subjects[fact])).size
 
 
 def code_split_by_boundary(code_start: np.ndarray, segment_size: int) -> np.ndarray:
     """Whether a segment boundary separates a fact's subject from its code's last digit, for codes whose
     first digit is at ``code_start`` (any shape): a segment starts at a token from the one after the
-    subject (" is", 2 before the code) to the code's last digit ("... blue box is 47" | "11.")."""
+    subject (" is", :data:`TOKENS_BEFORE_CODE` before the code) to the code's last digit
+    ("... blue box is 47" | "11.")."""
     code_start = np.asarray(code_start)
     last_boundary = (code_start + CODE_DIGITS - 1) // segment_size * segment_size
-    return last_boundary >= code_start - 2
+    return last_boundary >= code_start - TOKENS_BEFORE_CODE
 
 
 def shift_facts_earlier(sample: HaystackSample, shift: int, tokenizer: Tokenizer,
@@ -261,7 +267,7 @@ def shift_facts_earlier(sample: HaystackSample, shift: int, tokenizer: Tokenizer
     extra, _ = _filler(rng, _filler_stream(tokenizer, filler_split), shift)
     ids = np.concatenate([sample.ids[:1], sample.ids[1 + shift:sample.ids.size - question], extra,
                           sample.ids[sample.ids.size - question:]])
-    return dataclasses.replace(sample, ids=ids, fact_positions=sample.fact_positions - shift)
+    return replace(sample, ids=ids, fact_positions=sample.fact_positions - shift)
 
 
 def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, num_facts: int = 4,
