@@ -27,6 +27,12 @@ Writes bench/results/armt_retrieval.{json,png}.
 `--goal-only --goal-samples N` scores just the goal: each ARMT fact count at 4x the longest training
 sample on the first N held-out samples (the sweep's 64 among them), to narrow the 95% interval the
 sweep leaves around 90%; writes bench/results/armt_retrieval_goal.json.
+
+`--split-lengths 2048,16384 --split-samples N` looks at the one-fact errors' main cause: a segment
+boundary between the asked subject and its code's last digit, which leaves the subject-code binding
+to the memory. At each length, one fact on the first N held-out samples as drawn (row `one_fact`,
+about 5% of them split) and on the same samples shifted so that a boundary splits every asked fact
+(row `split_fact`); writes bench/results/armt_split_facts.{json,png}.
 """
 
 from __future__ import annotations
@@ -61,11 +67,17 @@ def main() -> None:
     p.add_argument("--num-facts", default="1,2,4", help="comma-separated fact counts for ARMT (default 1,2,4)")
     p.add_argument("--goal-only", action="store_true", help="score only the goal length (see above)")
     p.add_argument("--goal-samples", type=int, default=128, help="samples per fact count with --goal-only")
+    p.add_argument("--split-lengths", default=None,
+                   help="comma-separated lengths: score only one fact split by a boundary (see above)")
+    p.add_argument("--split-samples", type=int, default=128, help="samples per length with --split-lengths")
     args = p.parse_args()
     counts = sorted({int(n) for n in args.num_facts.split(",")})
     most = counts[-1]
     if args.goal_only:
         goal_only(Path(args.armt_ckpt), counts, args.goal_samples)
+        return
+    if args.split_lengths:
+        split_facts(Path(args.armt_ckpt), [int(n) for n in args.split_lengths.split(",")], args.split_samples)
         return
     armt, base = load(args.armt_ckpt, "fp32"), load(args.base, "fp32")
     if args.quick:
@@ -134,6 +146,47 @@ def goal_only(ckpt: Path, counts: list[int], samples: int) -> None:
         print(f"armt_{facts}_facts", r, flush=True)
     write_result("armt_retrieval_goal", {"armt_ckpt": repo_path(ckpt), "filler_split": FILLER_SPLIT,
                                          "results": rows, "goal": goal_check(rows, longest)})
+
+
+def split_facts(ckpt: Path, lengths: list[int], samples: int) -> None:
+    """One fact at each length, on held-out samples as drawn and with a boundary splitting every asked
+    fact; write the JSON and the plot."""
+    armt = load(ckpt, "fp32")
+    rows: dict[str, list[dict]] = {"one_fact": [], "split_fact": []}
+    for length in lengths:
+        for name, split in (("one_fact", False), ("split_fact", True)):
+            t0 = time.perf_counter()
+            r = retrieval_accuracy(diagonal_decoding_logits(armt), length, samples, num_facts=1,
+                                   segment_size=armt.armt.segment_size, split_facts=split, progress=True)
+            rows[name].append({**r, "wall_s": time.perf_counter() - t0})
+            print(name, length, {k: r[k] for k in ("exact_match", "code_split_samples", "code_split_exact_match",
+                                                   "wrong_digit_rate")}, flush=True)
+    write_result("armt_split_facts", {"armt_ckpt": repo_path(ckpt), "filler_split": FILLER_SPLIT,
+                                      "segment_size": armt.armt.segment_size, "results": rows,
+                                      "plot": "armt_split_facts.png"})
+    fig, axes = subplots(1, 2, figsize=(11, 4))
+    ax = axes[0]
+    for name, label in (("one_fact", "as drawn"), ("split_fact", "boundary inside the asked fact")):
+        x, y = lengths, np.array([r["exact_match"] for r in rows[name]])
+        ci = np.array([r["exact_match_ci95"] for r in rows[name]]).T
+        ax.errorbar(x, y, yerr=np.abs(ci - y), fmt="o-", capsize=3, label=f"{label} ({samples} samples)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("exact match (bars: 95% interval)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax = axes[1]  # which digit goes wrong when the boundary splits the fact
+    for r in rows["split_fact"]:
+        ax.plot(range(1, CODE_DIGITS + 1), r["wrong_digit_rate"], "o-", label=f"{r['length']:,} tokens")
+    ax.set_xticks(range(1, CODE_DIGITS + 1))
+    ax.set_xlabel("answer digit (teacher-forced)")
+    ax.set_ylabel("share of split samples wrong at the digit")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle("ARMT, one fact: a segment boundary between subject and code")
+    save_plot(fig, plot_path("armt_split_facts"), dpi=110)
 
 
 def longest_training_tokens(ckpt: Path) -> int | None:

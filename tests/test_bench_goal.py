@@ -72,3 +72,18 @@ def test_goal_only_scores_each_fact_count_at_the_goal_length(tmp_path, monkeypat
     (ckpt / "training.json").unlink()
     with pytest.raises(SystemExit, match="training.json"):
         goal_only(ckpt, [1], samples=4)
+
+
+def test_split_facts_scores_one_fact_as_drawn_and_split(tmp_path, monkeypatch):
+    """`--split-lengths` on the shipped weights: per length, one fact as drawn and the same samples with a
+    boundary splitting every asked fact, with the plot."""
+    import bench.common
+    from bench.armt_retrieval import split_facts
+
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path / "results")
+    split_facts(ARMT_MODEL, [512], samples=4)
+    out = json.loads((tmp_path / "results" / "armt_split_facts.json").read_text())
+    drawn, split = out["results"]["one_fact"][0], out["results"]["split_fact"][0]
+    assert drawn["length"] == split["length"] == 512 and drawn["num_facts"] == split["num_facts"] == 1
+    assert split["split_facts"] and split["code_split_samples"] == 4 and not drawn["split_facts"]
+    assert (tmp_path / "results" / "armt_split_facts.png").is_file()

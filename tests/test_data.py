@@ -242,6 +242,40 @@ def test_shift_facts_earlier_keeps_facts_and_length(tok):
         haystack.shift_facts_earlier(sample, shift + 1, tok, np.random.default_rng(0))
 
 
+def test_split_asked_fact_puts_a_boundary_inside_the_fact(tok):
+    """Every offset from " is" to the last digit puts a segment start there, keeping the sample's text."""
+    sample = make_sample(8, 2048, tok, num_facts=2)
+    asked = sample.target_fact
+    code_at = int(sample.fact_positions[asked]) + haystack.code_offset(sample, asked, tok)
+    for offset in range(-haystack.TOKENS_BEFORE_CODE, haystack.CODE_DIGITS):
+        split = haystack.split_asked_fact(sample, offset, 16, tok, np.random.default_rng(offset + 2))
+        _check_sample(split, tok, 2048, 2)
+        moved_code = int(split.fact_positions[asked]) + haystack.code_offset(split, asked, tok)
+        assert (moved_code + offset) % 16 == 0 and haystack.code_split_by_boundary(np.array(moved_code), 16)
+        assert 0 <= code_at - moved_code < 16
+    first = haystack.shift_facts_earlier(sample, int(sample.fact_positions[0]) - 1, tok, np.random.default_rng(0))
+    code_at = int(first.fact_positions[asked]) + haystack.code_offset(first, asked, tok)
+    offset = next(o for o in range(-haystack.TOKENS_BEFORE_CODE, haystack.CODE_DIGITS) if (code_at + o) % 16)
+    assert haystack.split_asked_fact(first, offset, 16, tok, np.random.default_rng(0)) is None  # no filler ahead
+    with pytest.raises(ValueError, match="offset"):
+        haystack.split_asked_fact(sample, haystack.CODE_DIGITS, 16, tok, np.random.default_rng(0))
+
+
+def test_held_out_split_batch_splits_every_asked_fact(tok):
+    """split_segment: every held-out sample has a boundary inside its asked fact, even those whose fact lay
+    too early to shift (drawn again), and sample i stays the same in any batch."""
+    plain = haystack.held_out_batch(range(12), 512, tok, num_facts=1)
+    whole = haystack.held_out_batch(range(12), 512, tok, num_facts=1, split_segment=128)
+    redrawn = (whole["answer_ids"] != plain["answer_ids"]).any(axis=1)  # asked fact too early to shift
+    assert 0 < redrawn.sum() < 12
+    assert haystack.code_split_by_boundary(whole["code_start"], 128).all() and whole["ids"].shape == (12, 512)
+    parts = [haystack.held_out_batch(r, 512, tok, num_facts=1, split_segment=128) for r in (range(5), range(5, 12))]
+    for key, value in whole.items():
+        np.testing.assert_array_equal(value, np.concatenate([p[key] for p in parts]))
+    with pytest.raises(ValueError, match="too short"):
+        haystack.held_out_batch(range(1), 40, tok, num_facts=1, split_segment=128)
+
+
 def test_minimum_length(tok):
     # Facts and question depend only on the seed, so zero filler is reachable exactly.
     probe = make_sample(5, 512, tok)

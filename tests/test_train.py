@@ -342,6 +342,10 @@ def test_retrieval_accuracy_splits_attention_from_memory():
     codes = held_out_batch(range(8), 380, load_default_tokenizer(), num_facts=1)["code_start"]
     assert full["code_split_samples"] == code_split_by_boundary(codes, 128).sum()
     assert full["code_split_samples"] + full["code_whole_samples"] == 8
+    split = score(None, 380, segment_size=128, split_facts=True)  # every asked fact split by a boundary
+    assert split["split_facts"] and split["code_split_samples"] == 8 and split["exact_match"] == 1.0
+    with pytest.raises(ValueError, match="segment_size"):
+        score(None, 380, split_facts=True)
     windowed = score(128, 380, segment_size=128)  # sees only its own segment, like attention in ARMT
     assert windowed["in_segment_exact_match"] == 1.0 and windowed["from_memory_exact_match"] == 0.0
     # a prompt of whole segments: the answer is decoded in the window its last segment opened ...

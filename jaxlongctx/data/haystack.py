@@ -270,6 +270,22 @@ def shift_facts_earlier(sample: HaystackSample, shift: int, tokenizer: Tokenizer
     return replace(sample, ids=ids, fact_positions=sample.fact_positions - shift)
 
 
+def split_asked_fact(sample: HaystackSample, offset: int, segment_size: int, tokenizer: Tokenizer,
+                     rng: np.random.Generator, filler_split: str = FILLER_SPLIT) -> HaystackSample | None:
+    """The sample shifted earlier so that a segment starts ``offset`` tokens into the asked fact's code
+    (``offset`` in ``[-TOKENS_BEFORE_CODE, CODE_DIGITS)``: from " is" to the last digit, every case
+    :func:`code_split_by_boundary` counts), or None where the filler ahead of the first fact is shorter
+    than that shift. The new filler before the question is a random span of ``filler_split``."""
+    if not -TOKENS_BEFORE_CODE <= offset < CODE_DIGITS:
+        raise ValueError(f"offset must be in [{-TOKENS_BEFORE_CODE}, {CODE_DIGITS}), got {offset}")
+    asked = sample.target_fact
+    code_at = int(sample.fact_positions[asked]) + code_offset(sample, asked, tokenizer)
+    shift = (code_at + offset) % segment_size
+    if shift >= sample.fact_positions[0]:
+        return None
+    return shift_facts_earlier(sample, shift, tokenizer, rng, filler_split)
+
+
 def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, num_facts: int = 4,
                target_depth: float | None = None, shared_word: bool = False,
                filler_split: str = FILLER_SPLIT) -> dict[str, np.ndarray]:
@@ -292,17 +308,41 @@ def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, 
 
 
 def held_out_batch(indices: range, length_tokens: int, tokenizer: Tokenizer, num_facts: int = 4,
-                   shared_word: bool = False, filler_split: str = FILLER_SPLIT) -> dict[str, np.ndarray]:
+                   shared_word: bool = False, filler_split: str = FILLER_SPLIT,
+                   split_segment: int | None = None) -> dict[str, np.ndarray]:
     """Held-out evaluation samples ``indices``, stacked as :func:`make_batch` stacks them.
 
     Sample i is ``make_batch(eval_seed(i), 1, ...)``'s one sample whatever batch it is drawn in, so
     every evaluation with the same sample count scores the same prompts, at any batch size.
+    With ``split_segment``, sample i is instead that sample after :func:`split_asked_fact` at a random
+    offset (segments of ``split_segment`` tokens): a boundary always separates its asked subject from
+    its code's last digit. Where its asked fact lies too early to shift, sample i is drawn again from
+    another seed with the asked fact at mid depth.
     """
     if not len(indices):
         raise ValueError("indices must not be empty")
-    return _stack([make_sample(np.random.default_rng([eval_seed(i), 0]), length_tokens, tokenizer,
-                               num_facts=num_facts, shared_word=shared_word, filler_split=filler_split)
-                   for i in indices], tokenizer)
+    make = functools.partial(make_sample, length_tokens=length_tokens, tokenizer=tokenizer, num_facts=num_facts,
+                             shared_word=shared_word, filler_split=filler_split)
+    samples = [make(np.random.default_rng([eval_seed(i), 0])) for i in indices]
+    if split_segment is not None:
+        samples = [_held_out_split(s, i, split_segment, make, tokenizer, filler_split)
+                   for s, i in zip(samples, indices)]
+    return _stack(samples, tokenizer)
+
+
+def _held_out_split(sample: HaystackSample, index: int, segment_size: int, make: functools.partial,
+                    tokenizer: Tokenizer, filler_split: str) -> HaystackSample:
+    """Held-out sample ``index`` split by a segment boundary (see :func:`held_out_batch`)."""
+    rng = np.random.default_rng([eval_seed(index), 1])
+    offset = int(rng.integers(-TOKENS_BEFORE_CODE, CODE_DIGITS))
+    split = split_asked_fact(sample, offset, segment_size, tokenizer, rng, filler_split)
+    if split is None:
+        split = split_asked_fact(make(np.random.default_rng([eval_seed(index), 2]), target_depth=0.5), offset,
+                                 segment_size, tokenizer, rng, filler_split)
+    if split is None:
+        raise ValueError(f"a sample of {sample.ids.size} tokens is too short to split at a boundary of "
+                         f"{segment_size}-token segments")
+    return split
 
 
 def _stack(samples: list[HaystackSample], tokenizer: Tokenizer) -> dict[str, np.ndarray]:

@@ -29,8 +29,8 @@ from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.armt.segments import Segments, segment
 from jaxlongctx.data.corpus import SPLITS
-from jaxlongctx.data.haystack import (CODE_DIGITS, FILLER_SPLIT, TOKENS_BEFORE_CODE, code_offset, follow_up_ids,
-                                      make_sample, shift_facts_earlier, train_seed)
+from jaxlongctx.data.haystack import (CODE_DIGITS, FILLER_SPLIT, TOKENS_BEFORE_CODE, follow_up_ids, make_sample,
+                                      split_asked_fact, train_seed)
 from jaxlongctx.data.tokenizer import load_default_tokenizer
 from jaxlongctx.train.evaluate import retrieval_accuracy
 from jaxlongctx.train.optim import OptimConfig, make_optimizer
@@ -140,12 +140,8 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
             prompt = whole
         sample = longest if prompt == longest.ids.size else make(np.random.default_rng([seed, i]), prompt)
         if split_fraction and rng.random() < split_fraction:
-            # a segment starts from " is" before the asked code to its last digit (code_split_by_boundary)
-            asked = sample.target_fact
-            code_at = int(sample.fact_positions[asked]) + code_offset(sample, asked, tokenizer)
-            shift = (code_at + int(rng.integers(-TOKENS_BEFORE_CODE, CODE_DIGITS))) % segment_size
-            if shift < sample.fact_positions[0]:
-                sample = shift_facts_earlier(sample, shift, tokenizer, rng, filler_split)
+            offset = int(rng.integers(-TOKENS_BEFORE_CODE, CODE_DIGITS))
+            sample = split_asked_fact(sample, offset, segment_size, tokenizer, rng, filler_split) or sample
         parts, pos, digits, offset = [sample.ids, sample.answer_ids], [prompt - 1], [sample.answer_ids], prompt
         for question, code in follow:
             offset += CODE_DIGITS + question.size

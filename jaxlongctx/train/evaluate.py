@@ -93,7 +93,7 @@ def answer_inputs(ids: np.ndarray, answer_ids: np.ndarray) -> np.ndarray:
 def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: int, samples: int,
                        batch_size: int = 1, num_facts: int = 4, segment_size: int | None = None,
                        shared_word: bool = False, filler_split: str = FILLER_SPLIT,
-                       progress: bool = False) -> dict[str, float | None]:
+                       split_facts: bool = False, progress: bool = False) -> dict[str, float | None]:
     """Greedy exact-match and per-digit accuracy on held-out haystack prompts of `length` tokens
     (teacher-forced argmax: all digits right under teacher forcing == greedy decode right).
 
@@ -113,17 +113,21 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     another fact's code shows here as a wrong first digit (that digit picks the fact). With
     `shared_word` every sample is a near miss (`make_sample(shared_word=True)`). The filler comes from the
     corpus split `filler_split` (by default the validation split, which the base model never trained on).
+    With `split_facts` (needs `segment_size`) every sample is shifted so that a segment boundary splits its
+    asked fact (`held_out_batch(split_segment=segment_size)`): the code_split case on every sample.
     `progress` shows a bar over the samples.
     """
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples and batch_size must be >= 1, got {samples} and {batch_size}")
+    if split_facts and segment_size is None:
+        raise ValueError("split_facts needs segment_size (the segments whose boundary splits the facts)")
     tokenizer = load_default_tokenizer()
     hits, asked, shared, other_start, code_at = [], [], [], [], []
     bar = tqdm(total=samples, desc=f"retrieval at {length:,} tokens", unit="sample", disable=not progress)
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
         raw = held_out_batch(range(i, i + b), length, tokenizer, num_facts=num_facts, shared_word=shared_word,
-                             filler_split=filler_split)
+                             filler_split=filler_split, split_segment=segment_size if split_facts else None)
         logits = model(answer_inputs(raw["ids"], raw["answer_ids"]), length)  # B T V
         pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
         hits.append(pred == raw["answer_ids"])
@@ -136,7 +140,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         bar.update(b)
     bar.close()
     hit, fact_at, shared = np.concatenate(hits), np.concatenate(asked), np.concatenate(shared)  # N D, N, N
-    out = {"length": length, "num_facts": num_facts, "shared_word_haystack": shared_word, **_scores(hit),
+    out = {"length": length, "num_facts": num_facts, "shared_word_haystack": shared_word, "split_facts": split_facts,
+           **_scores(hit),
            "by_depth": _by_depth(hit, fact_at / length), "wrong_digit_rate": (1.0 - hit.mean(axis=0)).tolist(),
            "first_digit_other_fact_rate": float(np.concatenate(other_start).mean())}
     splits = [("shared_word", shared), ("distinct_words", ~shared)]
