@@ -167,14 +167,8 @@ def split_facts(ckpt: Path, lengths: list[int], samples: int) -> None:
     fig, axes = subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
     for name, label in (("one_fact", "as drawn"), ("split_fact", "boundary inside the asked fact")):
-        x, y = lengths, np.array([r["exact_match"] for r in rows[name]])
-        ci = np.array([r["exact_match_ci95"] for r in rows[name]]).T
-        ax.errorbar(x, y, yerr=np.abs(ci - y), fmt="o-", capsize=3, label=f"{label} ({samples} samples)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("exact match (bars: 95% interval)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
+        _exact_match_errorbar(ax, rows[name], f"{label} ({samples} samples)")
+    _length_axis(ax, "exact match (bars: 95% interval)")
     ax.legend(fontsize=8)
     ax = axes[1]  # which digit goes wrong when the boundary splits the fact
     for r in rows["split_fact"]:
@@ -234,25 +228,35 @@ def goal_check(rows: dict[str, list[dict]], longest: int | None) -> dict | None:
     return out if out["rows"] else None
 
 
+def _exact_match_errorbar(ax, rows: list[dict], label: str) -> None:
+    """Exact match vs length of `rows`, with each point's 95% Wilson interval as error bars."""
+    y = np.array([r["exact_match"] for r in rows])
+    ci = np.array([r["exact_match_ci95"] for r in rows]).T
+    ax.errorbar([r["length"] for r in rows], y, yerr=np.abs(ci - y), fmt="o-", capsize=3, label=label)
+
+
+def _length_axis(ax, ylabel: str) -> None:
+    """A log2 context-length x axis against a rate in [0, 1]."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+
+
 def _plot(rows: dict[str, list[dict]], chance: dict[str, float], depth_row: str, goal: dict | None) -> None:
     fig, axes = subplots(1, 3, figsize=(16, 4))
     for ax, metric in zip(axes, ("exact_match", "digit_accuracy")):
         for name, rs in rows.items():
-            x, y = [r["length"] for r in rs], np.array([r[metric] for r in rs])
-            if metric == "exact_match":  # 95% Wilson interval of each point
-                ci = np.array([r["exact_match_ci95"] for r in rs]).T
-                ax.errorbar(x, y, yerr=np.abs(ci - y), fmt="o-", capsize=3, label=name)
+            if metric == "exact_match":
+                _exact_match_errorbar(ax, rs, name)
             else:
-                ax.plot(x, y, "o-", label=name)
+                ax.plot([r["length"] for r in rs], [r[metric] for r in rs], "o-", label=name)
         ax.axhline(chance[metric], color="gray", ls="--", label=f"chance ({chance[metric]:g})")
         if goal is not None and metric == "exact_match":
             ax.plot([goal["length"]], [goal["exact_match_goal"]], "k*", ms=12,
                     label=f"goal: {goal['exact_match_goal']:.0%} at {goal['length']:,} tokens")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(metric + (" (bars: 95% interval)" if metric == "exact_match" else ""))
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
+        _length_axis(ax, metric + (" (bars: 95% interval)" if metric == "exact_match" else ""))
     axes[0].legend(fontsize=8)
     ax = axes[2]  # where ARMT loses the fact: exact match by the asked fact's depth in the prompt
     for r in rows[depth_row]:

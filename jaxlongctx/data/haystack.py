@@ -245,6 +245,12 @@ def code_offset(sample: HaystackSample, fact: int, tokenizer: Tokenizer) -> int:
     return _encode(tokenizer, fact_head_text(sample.subjects[fact])).size
 
 
+def asked_code_start(sample: HaystackSample, tokenizer: Tokenizer) -> int:
+    """Position of the asked fact's first code digit in ``sample.ids``."""
+    asked = sample.target_fact
+    return int(sample.fact_positions[asked]) + code_offset(sample, asked, tokenizer)
+
+
 def code_split_by_boundary(code_start: np.ndarray, segment_size: int) -> np.ndarray:
     """Whether a segment boundary separates a fact's subject from its code's last digit, for codes whose
     first digit is at ``code_start`` (any shape): a segment starts at a token from the one after the
@@ -278,9 +284,7 @@ def split_asked_fact(sample: HaystackSample, offset: int, segment_size: int, tok
     than that shift. The new filler before the question is a random span of ``filler_split``."""
     if not -TOKENS_BEFORE_CODE <= offset < CODE_DIGITS:
         raise ValueError(f"offset must be in [{-TOKENS_BEFORE_CODE}, {CODE_DIGITS}), got {offset}")
-    asked = sample.target_fact
-    code_at = int(sample.fact_positions[asked]) + code_offset(sample, asked, tokenizer)
-    shift = (code_at + offset) % segment_size
+    shift = (asked_code_start(sample, tokenizer) + offset) % segment_size
     if shift >= sample.fact_positions[0]:
         return None
     return shift_facts_earlier(sample, shift, tokenizer, rng, filler_split)
@@ -354,8 +358,7 @@ def _stack(samples: list[HaystackSample], tokenizer: Tokenizer) -> dict[str, np.
         "target_fact": np.array([s.target_fact for s in samples], dtype=np.int32),
         "fact_answer_ids": np.stack([[_code_ids(tokenizer, c) for c in s.codes] for s in samples]),
         "shares_word": np.array([shares_word(s) for s in samples]),
-        "code_start": np.array([s.fact_positions[s.target_fact] + code_offset(s, s.target_fact, tokenizer)
-                                for s in samples], dtype=np.int32),
+        "code_start": np.array([asked_code_start(s, tokenizer) for s in samples], dtype=np.int32),
     }
 
 
