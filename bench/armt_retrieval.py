@@ -26,13 +26,17 @@ Writes bench/results/armt_retrieval.{json,png}.
 
 `--goal-only --goal-samples N` scores just the goal: each ARMT fact count at 4x the longest training
 sample on the first N held-out samples (the sweep's 64 among them), to narrow the 95% interval the
-sweep leaves around 90%; writes bench/results/armt_retrieval_goal.json.
+sweep leaves around 90%; writes bench/results/armt_retrieval_goal.json. With `--segmentation sentences`
+the prompts are cut after sentence ends instead of every S tokens (see `jaxlongctx.armt.sentences`);
+writes bench/results/armt_retrieval_goal_sentences.json.
 
 `--split-lengths 2048,16384 --split-samples N` looks at the one-fact errors' main cause: a segment
 boundary between the asked subject and its code's last digit, which leaves the subject-code binding
 to the memory. At each length, one fact on the first N held-out samples as drawn (row `one_fact`,
 about 5% of them split) and on the same samples shifted so that a boundary splits every asked fact
-(row `split_fact`); writes bench/results/armt_split_facts.{json,png}.
+(row `split_fact`), each cut on the fixed grid and after sentence ends (rows `*_sentences`, where no
+segment starts inside a sentence: the shift no longer splits the fact); writes
+bench/results/armt_split_facts.{json,png}.
 """
 
 from __future__ import annotations
@@ -70,11 +74,13 @@ def main() -> None:
     p.add_argument("--split-lengths", default=None,
                    help="comma-separated lengths: score only one fact split by a boundary (see above)")
     p.add_argument("--split-samples", type=int, default=128, help="samples per length with --split-lengths")
+    p.add_argument("--segmentation", choices=["fixed", "sentences"], default="fixed",
+                   help="with --goal-only: how ARMT cuts the prompts into segments")
     args = p.parse_args()
     counts = sorted({int(n) for n in args.num_facts.split(",")})
     most = counts[-1]
     if args.goal_only:
-        goal_only(Path(args.armt_ckpt), counts, args.goal_samples)
+        goal_only(Path(args.armt_ckpt), counts, args.goal_samples, args.segmentation)
         return
     if args.split_lengths:
         split_facts(Path(args.armt_ckpt), [int(n) for n in args.split_lengths.split(",")], args.split_samples)
@@ -131,12 +137,14 @@ def diagonal_decoding_logits(armt):
     return lambda ids, prompt_length: armt.generation_logits(ids, prompt_length, schedule="diagonal")
 
 
-def goal_only(ckpt: Path, counts: list[int], samples: int) -> None:
-    """Score each fact count at the goal length on `samples` held-out samples; write the goal JSON."""
+def goal_only(ckpt: Path, counts: list[int], samples: int, segmentation: str = "fixed") -> None:
+    """Score each fact count at the goal length on `samples` held-out samples, the prompts cut by
+    `segmentation`; write the goal JSON."""
     longest = longest_training_tokens(ckpt)
     if longest is None:
         raise SystemExit(f"error: {ckpt / 'training.json'} is missing, so the goal length is unknown")
     armt = load(ckpt, "fp32")
+    armt.segmentation = segmentation
     rows = {}
     for facts in counts:
         t0 = time.perf_counter()
@@ -144,21 +152,28 @@ def goal_only(ckpt: Path, counts: list[int], samples: int) -> None:
                                segment_size=armt.armt.segment_size, progress=True)
         rows[f"armt_{facts}_facts"] = [{**r, "wall_s": time.perf_counter() - t0}]
         print(f"armt_{facts}_facts", r, flush=True)
-    write_result("armt_retrieval_goal", {"armt_ckpt": repo_path(ckpt), "filler_split": FILLER_SPLIT,
-                                         "results": rows, "goal": goal_check(rows, longest)})
+    name = "armt_retrieval_goal" + ("" if segmentation == "fixed" else f"_{segmentation}")
+    write_result(name, {"armt_ckpt": repo_path(ckpt), "filler_split": FILLER_SPLIT, "segmentation": segmentation,
+                        "results": rows, "goal": goal_check(rows, longest)})
+
+
+SPLIT_ROWS = (("one_fact", False, "fixed", "as drawn"), ("split_fact", True, "fixed", "boundary inside the asked fact"),
+              ("one_fact_sentences", False, "sentences", "as drawn, sentence segments"),
+              ("split_fact_sentences", True, "sentences", "shifted as above, sentence segments"))
 
 
 def split_facts(ckpt: Path, lengths: list[int], samples: int) -> None:
-    """One fact at each length, on held-out samples as drawn and with a boundary splitting every asked
-    fact; write the JSON and the plot."""
+    """One fact at each length, on held-out samples as drawn and with a fixed-grid boundary splitting
+    every asked fact, each cut on the fixed grid and after sentence ends; write the JSON and the plot."""
     armt = load(ckpt, "fp32")
-    rows: dict[str, list[dict]] = {"one_fact": [], "split_fact": []}
+    rows: dict[str, list[dict]] = {name: [] for name, *_ in SPLIT_ROWS}
     for length in lengths:
-        for name, split in (("one_fact", False), ("split_fact", True)):
+        for name, split, segmentation, _ in SPLIT_ROWS:
+            armt.segmentation = segmentation
             t0 = time.perf_counter()
             r = retrieval_accuracy(diagonal_decoding_logits(armt), length, samples, num_facts=1,
                                    segment_size=armt.armt.segment_size, split_facts=split, progress=True)
-            rows[name].append({**r, "wall_s": time.perf_counter() - t0})
+            rows[name].append({**r, "segmentation": segmentation, "wall_s": time.perf_counter() - t0})
             print(name, length, {k: r[k] for k in ("exact_match", "code_split_samples", "code_split_exact_match",
                                                    "wrong_digit_rate")}, flush=True)
     write_result("armt_split_facts", {"armt_ckpt": repo_path(ckpt), "filler_split": FILLER_SPLIT,
@@ -166,20 +181,22 @@ def split_facts(ckpt: Path, lengths: list[int], samples: int) -> None:
                                       "plot": "armt_split_facts.png"})
     fig, axes = subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
-    for name, label in (("one_fact", "as drawn"), ("split_fact", "boundary inside the asked fact")):
+    for name, _, _, label in SPLIT_ROWS:
         _exact_match_errorbar(ax, rows[name], f"{label} ({samples} samples)")
     _length_axis(ax, "exact match (bars: 95% interval)")
     ax.legend(fontsize=8)
-    ax = axes[1]  # which digit goes wrong when the boundary splits the fact
-    for r in rows["split_fact"]:
-        ax.plot(range(1, CODE_DIGITS + 1), r["wrong_digit_rate"], "o-", label=f"{r['length']:,} tokens")
+    ax = axes[1]  # which digit goes wrong on the shifted samples
+    for name, style in (("split_fact", "o-"), ("split_fact_sentences", "s--")):
+        for r in rows[name]:
+            ax.plot(range(1, CODE_DIGITS + 1), r["wrong_digit_rate"], style,
+                    label=f"{r['length']:,} tokens, {r['segmentation']} segments")
     ax.set_xticks(range(1, CODE_DIGITS + 1))
     ax.set_xlabel("answer digit (teacher-forced)")
-    ax.set_ylabel("share of split samples wrong at the digit")
+    ax.set_ylabel("share of shifted samples wrong at the digit")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle("ARMT, one fact: a segment boundary between subject and code")
+    fig.suptitle("ARMT, one fact: a segment boundary between subject and code, and segments cut after sentences")
     save_plot(fig, plot_path("armt_split_facts"), dpi=110)
 
 

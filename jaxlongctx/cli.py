@@ -67,6 +67,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from jaxlongctx.armt import ARMTConfig
 
         model = model.with_armt(ARMTConfig(args.armt_segment, args.armt_mem), jax.random.key(args.seed))
+    if args.armt_segmentation != "fixed":
+        if isinstance(model, Model):
+            raise ValueError("--armt-segmentation applies to ARMT models (an ARMT checkpoint or --armt-segment)")
+        model.segmentation = args.armt_segmentation
     if (args.prompt is None) == (args.ids is None):
         raise ValueError("give exactly one of --prompt TEXT or --ids '1 2 3'")
     if args.prompt is not None:
@@ -156,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--armt-segment", type=int, default=None,
                    help="run the model as ARMT with this segment size (fresh memory unless the checkpoint has it)")
     g.add_argument("--armt-mem", type=int, default=None, help="ARMT memory tokens per segment")
+    g.add_argument("--armt-segmentation", choices=["fixed", "sentences"], default="fixed",
+                   help="ARMT: cut the prompt every segment-size tokens (as in training) or after sentence "
+                        "ends, so that no sentence spans two segments (needs the tokenizer)")
     add_kv_cache_arguments(g)
     add_parallel_arguments(g)
     g.set_defaults(func=_cmd_generate)

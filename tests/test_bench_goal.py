@@ -69,6 +69,11 @@ def test_goal_only_scores_each_fact_count_at_the_goal_length(tmp_path, monkeypat
     cell = out["results"]["armt_2_facts"][0]
     assert cell["length"] == 512 and cell["samples"] == 4 and cell["num_facts"] == 2
     assert out["goal"]["rows"]["armt_2_facts"]["exact_match"] == cell["exact_match"]
+    assert out["segmentation"] == "fixed"
+    goal_only(ckpt, [1], samples=4, segmentation="sentences")  # its own file; the fixed-grid one is kept
+    sentences = json.loads((tmp_path / "results" / "armt_retrieval_goal_sentences.json").read_text())
+    assert sentences["segmentation"] == "sentences" and sentences["results"]["armt_1_facts"][0]["samples"] == 4
+    assert json.loads((tmp_path / "results" / "armt_retrieval_goal.json").read_text()) == out
     (ckpt / "training.json").unlink()
     with pytest.raises(SystemExit, match="training.json"):
         goal_only(ckpt, [1], samples=4)
@@ -76,7 +81,7 @@ def test_goal_only_scores_each_fact_count_at_the_goal_length(tmp_path, monkeypat
 
 def test_split_facts_scores_one_fact_as_drawn_and_split(tmp_path, monkeypatch):
     """`--split-lengths` on the shipped weights: per length, one fact as drawn and the same samples with a
-    boundary splitting every asked fact, with the plot."""
+    boundary splitting every asked fact, on the fixed grid and in sentence segments, with the plot."""
     import bench.common
     from bench.armt_retrieval import split_facts
 
@@ -86,4 +91,8 @@ def test_split_facts_scores_one_fact_as_drawn_and_split(tmp_path, monkeypatch):
     drawn, split = out["results"]["one_fact"][0], out["results"]["split_fact"][0]
     assert drawn["length"] == split["length"] == 512 and drawn["num_facts"] == split["num_facts"] == 1
     assert split["split_facts"] and split["code_split_samples"] == 4 and not drawn["split_facts"]
+    for name in ("one_fact", "split_fact"):  # the same samples again, cut after sentence ends
+        fixed, sentences = out["results"][name][0], out["results"][f"{name}_sentences"][0]
+        assert (fixed["segmentation"], sentences["segmentation"]) == ("fixed", "sentences")
+        assert sentences["samples"] == fixed["samples"] == 4 and sentences["split_facts"] == fixed["split_facts"]
     assert (tmp_path / "results" / "armt_split_facts.png").is_file()

@@ -8,6 +8,8 @@ import shutil
 import pytest
 
 from jaxlongctx.cli import main
+from jaxlongctx.data.haystack import held_out_batch
+from jaxlongctx.data.tokenizer import load_default_tokenizer
 
 
 def test_help_lists_every_command(capsys):
@@ -69,6 +71,15 @@ def test_generate_with_armt_and_pq_options(hf_family_dir, tmp_path, capsys):
     assert main(["generate", "--ckpt", str(ARMT_MODEL), "--prompt", "The code of the red box is", "--max-new-tokens",
                  "2"]) == 0
     capsys.readouterr()
+    # a held-out haystack whose asked fact the fixed grid splits: answered with sentence segments
+    sample = held_out_batch(range(3, 4), 512, load_default_tokenizer(), num_facts=1, split_segment=128)
+    ids = " ".join(map(str, sample["ids"][0]))
+    assert main(["generate", "--ckpt", str(ARMT_MODEL), "--ids", ids, "--max-new-tokens", "4",
+                 "--armt-segmentation", "sentences"]) == 0
+    code = load_default_tokenizer().decode(sample["answer_ids"][0].tolist())
+    assert capsys.readouterr().out.strip() == code.strip()
+    assert main(["generate", "--ckpt", str(src), "--ids", "5", "--armt-segmentation", "sentences"]) == 2
+    assert "applies to ARMT models" in capsys.readouterr().err
     assert main(["generate", "--ckpt", str(BASE_MODEL), "--ids", "5 6 7", "--max-new-tokens", "2", "--kv-cache", "pq",
                  "--codebooks", str(BASE_CODEBOOKS), "--stats"]) == 0
     stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])

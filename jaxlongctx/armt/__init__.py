@@ -6,10 +6,12 @@
     state = armt.init_state(batch); state, per_row = armt.feed(state, chunk, end_document=...)
     state, per_row = armt.flush(state)                             # streaming; see `stream`
     jaxlongctx.generate.generate(armt, ids, n)                     # or armt.generate_ids(..., schedule=...)
+    armt.segmentation = "sentences"                                # cut after sentence ends (needs the tokenizer)
     armt.state_bytes(); armt.full_attention_kv_bytes(num_tokens); armt.save(path); ARMTModel.load(path)
 
 Modules: `config` (ARMTConfig), `memory` (DPFP, read, write), `params` (memory parameters),
-`cell` (one segment through one layer), `segments` (host-side segmentation), `sequential`,
+`cell` (one segment through one layer), `segments` (host-side segmentation), `sentences` (segment
+starts after sentence ends), `sequential`,
 `diagonal` (schedules), `stream`, `generation`, `model` (ARMTModel).
 """
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlongctx.armt.memory import read
-from jaxlongctx.armt.segments import compact, segment
+from jaxlongctx.armt.segments import compact, gather_slots, segment
 from jaxlongctx.armt.sequential import MemoryState, segment_through_layers, zero_state
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.attention import attention
@@ -105,15 +105,24 @@ def _compiled(model: Any, sampler: tuple, eos: tuple, pad_id: int):
 
 
 def window_start(prompt_length: Any, segment_size: int) -> Any:
-    """Where decoding's window opens: the start of the prompt's last segment (int or array of lengths >= 1)."""
+    """Where decoding's window opens on the fixed grid: the start of the prompt's last segment (int
+    or array of lengths >= 1)."""
     return (prompt_length - 1) // segment_size * segment_size
 
 
+def window_starts(model: Any, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """`[B]`: where each left-aligned prompt row's window opens, the start of its last segment under
+    the model's segmentation (rows `ids [B, T]`, `lengths [B]` >= 1)."""
+    if model.segmentation == "fixed":
+        return window_start(lengths, model.armt.segment_size)
+    return np.array([starts[-1] for starts in model.segment_starts(ids, lengths)], np.int64)
+
+
 def _prompt_state(model: Any, ids: np.ndarray, lengths: np.ndarray, schedule: str) -> MemoryState:
-    """Memory after the segments of left-aligned rows `ids [B, T]` cut at `lengths [B]` (multiples of S)."""
+    """Memory after the segments of left-aligned rows `ids [B, T]` cut at `lengths [B]` (segment starts)."""
     if lengths.max() == 0:
         return zero_state(model, ids.shape[0])
-    state, _ = model.run_segments(model.params, segment(ids, lengths, model.armt.segment_size), schedule)
+    state, _ = model.run_segments(model.params, model.segments(ids, lengths)[0], schedule)
     return state
 
 
@@ -135,30 +144,37 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
     if isinstance(prompt_length, bool) or not isinstance(prompt_length, (int, np.integer)) \
             or not 1 <= prompt_length <= t:
         raise ValueError(f"prompt_length must be an integer in [1, {t}] (the ids' length), got {prompt_length!r}")
-    S = model.armt.segment_size
-    start = window_start(int(prompt_length), S)
-    stop = min(t, start + 2 * S)
-    parts = []
-    if start:
-        prefix, state = model.run(ids[:, :start], schedule=schedule)
-        parts.append(prefix)
+    S, V = model.armt.segment_size, model.config.vocab_size
+    start = window_starts(model, ids, np.full(b, int(prompt_length)))  # B
+    stop = np.minimum(t, start + 2 * S)
+    if start.max():
+        segs, slots = model.segments(ids, start)
+        state, prefix = model.run_segments(model.params, segs, schedule)  # nS B S V
+        prefix = jnp.swapaxes(prefix, 0, 1).reshape(b, -1, V)  # B nS*S V
+        width = int(start.max())
+        prefix = prefix[:, :width] if model.segmentation == "fixed" else gather_slots(prefix, slots[:, :width])
     else:
-        state = zero_state(model, b)
+        state, prefix = zero_state(model, b), jnp.zeros((b, 0, V), jnp.float32)
     fns = model.__dict__.setdefault("_generate_fns", {})
     if "window" not in fns:
         fns["window"] = jax.jit(partial(_window_logits, model))
     mesh = model.base.mesh
-    window = _window_rows(ids, np.full(b, start), np.full(b, stop), 2 * S)
-    parts.append(fns["window"](model.params, state, put_batch(window, mesh),
-                               put_batch(np.full(b, stop - start, np.int32), mesh))[:, :stop - start])
-    if t > stop:  # the window was committed as two segments: plain segments from here on
-        segs = segment(ids[:, start:], np.full(b, t - start), S)
+    window = fns["window"](model.params, state, put_batch(_window_rows(ids, start, stop, 2 * S), mesh),
+                           put_batch((stop - start).astype(np.int32), mesh))
+    rest = None
+    if t > stop.min():  # a window was committed as two segments: plain segments from there on
+        segs = segment(_window_rows(ids, start, np.full(b, t), t - int(start.min())), t - start, S)
         segs = segs._replace(first=segs.first & (start == 0))  # continues the prompt's memory
         _, rest = model.run_segments(model.params, segs, schedule, state)  # nS B S V
-        rest = jnp.swapaxes(rest, 0, 1).reshape(b, -1, rest.shape[-1])
-        parts.append(rest[:, stop - start:t - start])
-    return jnp.concatenate(parts, axis=1)
-
+        rest = jnp.swapaxes(rest, 0, 1).reshape(b, -1, V)  # from each row's window start
+    if np.all(start == start[0]):  # one window for every row: prefix, window, rest side by side
+        o, e = int(start[0]), int(stop[0])
+        return jnp.concatenate([prefix, window[:, :e - o]] + ([rest[:, e - o:t - o]] if t > e else []), axis=1)
+    # rows' windows differ: each position's source in [prefix | window | rest] (before, in, after its window)
+    pos, o = np.arange(t)[None], start[:, None]
+    source = np.where(pos < o, pos, prefix.shape[1] + np.where(pos < stop[:, None], pos - o, 2 * S + pos - o))
+    parts = [prefix, window] + ([] if rest is None else [rest])
+    return jnp.take_along_axis(jnp.concatenate(parts, axis=1), jnp.asarray(source)[..., None], axis=1)
 
 def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
@@ -175,7 +191,7 @@ def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: floa
     req = Request.parse(model.config, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, eos_id=eos_id, attention_mask=attention_mask)
     ids_c, lengths, _ = compact(req.ids, req.mask)
-    start = window_start(lengths, S)  # B (every row has a real token)
+    start = window_starts(model, ids_c, lengths)  # B (every row has a real token)
     params, mesh = model.params, model.base.mesh
     prefill, step, commit = _compiled(model, *req.static_key)
     t0 = time.perf_counter()

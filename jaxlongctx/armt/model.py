@@ -18,7 +18,8 @@ from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.diagonal import CPUExecution, diagonal_forward
 from jaxlongctx.armt.generation import generate_ids, generation_logits
 from jaxlongctx.armt.params import MemoryParams
-from jaxlongctx.armt.segments import Segments, compact, segment
+from jaxlongctx.armt.segments import Segments, compact, gather_slots, segment, segment_at
+from jaxlongctx.armt.sentences import SentenceSegmenter
 from jaxlongctx.armt.sequential import MemoryState, sequential_forward
 from jaxlongctx.checkpoint import (CheckpointError, atomic_directory, load_module, read_metadata, save_params,
                                    write_metadata)
@@ -31,6 +32,7 @@ from jaxlongctx.parallel import memory_shardings, param_shardings, shard_memory
 from jaxlongctx.validation import check_ids, check_mask, check_positive_int
 
 SCHEDULES = stream.SCHEDULES
+SEGMENTATIONS = ("fixed", "sentences")
 _MEMORY_DIR = "armt_memory"
 
 
@@ -38,7 +40,9 @@ class ARMTModel:
     """`armt_model(ids, attention_mask=None, schedule="diagonal") -> logits [B, T, V]` (float32).
 
     Rows are independent: each row's real tokens (per `attention_mask`, pads anywhere) are cut into
-    segments as if the row were alone. Parameters are `(base_state, memory_state)`.
+    segments as if the row were alone: on a fixed grid of S tokens, or with `segmentation =
+    "sentences"` after sentence ends (see `jaxlongctx.armt.sentences`; the calls and generation, not
+    streaming). Parameters are `(base_state, memory_state)`.
     """
 
     def __init__(self, base: Llama, armt: ARMTConfig, memory: MemoryParams, tokenizer: Any = None):
@@ -50,6 +54,7 @@ class ARMTModel:
         self.tokenizer = tokenizer
         self.inv_freq = inverse_frequencies(self.config)
         self.cpu_execution = CPUExecution()  # how the diagonal schedule runs on CPU (same results)
+        self._segmenter: SentenceSegmenter | None = None
 
     @classmethod
     def wrap(cls, model: Model, armt: ARMTConfig, key: jax.Array) -> ARMTModel:
@@ -91,6 +96,7 @@ class ARMTModel:
         base, memory = self.merge((cast(self.base.params), cast(nnx.state(self.memory))))
         out = ARMTModel(base, self.armt, memory, self.tokenizer)
         out.cpu_execution = self.cpu_execution
+        out._segmenter = self._segmenter
         return out
 
     def randomize_memory_params(self, key: jax.Array, scale: float = 1.0) -> ARMTModel:
@@ -123,15 +129,45 @@ class ARMTModel:
             return sequential_forward(self, params, segs, state)
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
 
+    # --- segmentation ---------------------------------------------------------------------------
+    @property
+    def segmentation(self) -> str:
+        """How rows are cut into segments: "fixed" (every S tokens, as in training) or "sentences"."""
+        return "fixed" if self._segmenter is None else "sentences"
+
+    @segmentation.setter
+    def segmentation(self, value: str) -> None:
+        if value not in SEGMENTATIONS:
+            raise ValueError(f"segmentation must be one of {SEGMENTATIONS}, got {value!r}")
+        self._segmenter = None if value == "fixed" else SentenceSegmenter(self.tokenizer)
+
+    def segment_starts(self, ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+        """Each left-aligned row's segment starts `[nS_b]` (rows `ids [B, T]`, `lengths [B]`; 0 -> none)."""
+        S = self.armt.segment_size
+        if self._segmenter is None:
+            return [np.arange(0, n, S) for n in lengths]
+        return [self._segmenter.starts(row[:n], S) if n else np.zeros(0, np.int64) for row, n in zip(ids, lengths)]
+
+    def segments(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[Segments, np.ndarray]:
+        """Left-aligned rows `ids [B, T]` with `lengths [B]` cut by `segmentation`: the segments and every
+        token's slot `[B, T]` in its row's flattened segments (-1 past the row's length)."""
+        if self._segmenter is None:
+            t = ids.shape[1]
+            slots = np.where(np.arange(t)[None] < lengths[:, None], np.arange(t)[None], -1)
+            return segment(ids, lengths, self.armt.segment_size), slots
+        return segment_at(ids, lengths, self.segment_starts(ids, lengths), self.armt.segment_size)
+
     def run(self, ids: Any, attention_mask: Any = None, schedule: str = "diagonal"
             ) -> tuple[jnp.ndarray, MemoryState]:
         """Logits `[B, T, V]` (zeros at pads) and the final per-layer memory for ids `[B, T]`."""
         ids = check_ids(ids, self.config.vocab_size)
         mask = check_mask(attention_mask, ids)
         ids_c, lengths, order = compact(ids, mask)
-        state, logits = self.run_segments(self.params, segment(ids_c, lengths, self.armt.segment_size), schedule)
+        segs, slots = self.segments(ids_c, lengths)
+        state, logits = self.run_segments(self.params, segs, schedule)
         b, t = ids.shape
-        logits = jnp.swapaxes(logits, 0, 1).reshape(b, -1, self.config.vocab_size)[:, :t]
+        logits = jnp.swapaxes(logits, 0, 1).reshape(b, -1, self.config.vocab_size)
+        logits = logits[:, :t] if self._segmenter is None else gather_slots(logits, slots)
         if not mask.all():
             inverse = np.argsort(order, axis=1)
             logits = jnp.take_along_axis(logits, jnp.asarray(inverse)[..., None], axis=1)
@@ -144,7 +180,9 @@ class ARMTModel:
 
     # --- streaming ------------------------------------------------------------------------------
     def init_state(self, batch: int = 1, schedule: str = "diagonal") -> stream.ARMTState:
-        """Empty streaming state for `batch` independent rows."""
+        """Empty streaming state for `batch` independent rows (streams are cut on the fixed grid)."""
+        if self._segmenter is not None:
+            raise ValueError("streaming cuts segments on the fixed grid: set segmentation = 'fixed' first")
         return stream.init_state(self, check_positive_int(batch, "batch"), schedule)
 
     def feed(self, state: stream.ARMTState, ids: Any, end_document: Any = False

@@ -1,9 +1,11 @@
-"""Host-side segmentation: padded rows -> left-aligned segments with per-row token counts."""
+"""Host-side segmentation: padded rows -> left-aligned segments with per-row token counts, cut on a
+fixed grid of `segment_size` tokens (`segment`) or at given segment starts (`segment_at`)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -57,3 +59,36 @@ def segment(ids: np.ndarray, lengths: np.ndarray, segment_size: int) -> Segments
 def chunk_sizes(count: int, chunk: int = FULL_CHUNK) -> list[int]:
     """Split `count` into chunks of `chunk`, then ones: two compiled sizes whatever the length."""
     return [chunk] * (count // chunk) + [1] * (count % chunk)
+
+
+def segment_at(ids: np.ndarray, lengths: np.ndarray, starts: list[np.ndarray], segment_size: int
+               ) -> tuple[Segments, np.ndarray]:
+    """Cut left-aligned rows `ids [B, T]` with `lengths [B]` into segments that begin at each row's
+    `starts` (ascending, from 0, at most `segment_size` apart and from the row's end). Returns the
+    segments (rows with fewer segments get empty ones, n = 0, at the end) and every token's slot
+    `[B, T]` in a row's flattened segments `[nS * S]` (-1 past its length)."""
+    b, t = ids.shape
+    count = max(1, max(len(s) for s in starts))
+    seg_ids = np.zeros((count, b, segment_size), np.int32)
+    n = np.zeros((count, b), np.int32)
+    slots = np.full((b, t), -1, np.int64)
+    for r, (row_starts, length) in enumerate(zip(starts, lengths)):
+        ends = np.append(row_starts[1:], length)
+        if len(row_starts) and (row_starts[0] != 0 or np.any(ends - row_starts < 1)
+                                or np.any(ends - row_starts > segment_size)):
+            raise ValueError(f"row {r}: segment starts {row_starts.tolist()} do not cut {length} tokens into "
+                             f"segments of 1..{segment_size}")
+        for j, (a, e) in enumerate(zip(row_starts, ends)):
+            seg_ids[j, r, :e - a] = ids[r, a:e]
+            n[j, r] = e - a
+            slots[r, a:e] = j * segment_size + np.arange(e - a)
+    first = (np.arange(count)[:, None] == 0) & (n > 0)
+    return Segments(seg_ids, n, first), slots
+
+
+def gather_slots(flat: jnp.ndarray, slots: np.ndarray) -> jnp.ndarray:
+    """Per-token rows `[B, T, ...]` of `flat [B, nS * S, ...]` (a row's flattened segments) at `slots
+    [B, T]` (see `segment_at`); zeros where the slot is -1."""
+    idx = jnp.asarray(np.maximum(slots, 0)).reshape(slots.shape + (1,) * (flat.ndim - 2))
+    out = jnp.take_along_axis(flat, idx, axis=1)
+    return jnp.where(jnp.asarray(slots >= 0).reshape(idx.shape), out, 0)

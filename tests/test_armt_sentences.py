@@ -1,0 +1,150 @@
+"""Sentence-aligned segmentation: cut points, batched rows, schedules, generation, shipped tokenizer."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlongctx.armt.generation import window_starts
+from jaxlongctx.armt.segments import segment_at
+from jaxlongctx.armt.sentences import SentenceSegmenter
+from jaxlongctx.data.haystack import CODE_DIGITS, code_split_by_boundary, held_out_batch
+from jaxlongctx.data.tokenizer import load_default_tokenizer
+from test_armt_utils import VOCAB, make_armt
+
+RNG = np.random.default_rng(5)
+PERIOD, NEWLINE = 3, 4  # token texts of the tiny vocabulary below
+
+
+class TinyTokenizer:
+    """A `tokenizers`-like vocabulary of VOCAB ids: id 3 is ".", id 4 a line break, odd ids " w<i>"
+    (start with a space), the rest "w<i>"."""
+
+    def get_vocab_size(self) -> int:
+        return VOCAB
+
+    def decode(self, ids: list[int]) -> str:
+        (i,) = ids
+        return {PERIOD: ".", NEWLINE: "\n"}.get(i, f" w{i}" if i % 2 else f"w{i}")
+
+
+def _sentence_armt():
+    armt = make_armt(3, 8)  # segment size 8
+    armt.tokenizer = TinyTokenizer()
+    armt.segmentation = "sentences"
+    return armt
+
+
+def _text(sentence_lengths: list[int]) -> np.ndarray:
+    """Sentences of the given lengths (the last token of each is ".", the next one starts with a space)."""
+    out = []
+    for n in sentence_lengths:
+        words = RNG.integers(5, VOCAB, n - 1)
+        words[0] |= 1  # starts with a space
+        out += [*words, PERIOD]
+    return np.asarray(out, np.int64)
+
+
+def test_starts_keep_short_sentences_whole_and_cut_long_ones():
+    seg = SentenceSegmenter(TinyTokenizer(), min_fill=0.5)
+    row = _text([3, 4, 5, 6, 12, 3])  # 33 tokens; sentences end after 3, 7, 12, 18, 30, 33
+    starts = seg.starts(row, 8)
+    # 3 + 4 fit a segment of 8, 5 more would not: the next segment starts at 7, then 12 and 18; the
+    # 12-token sentence is longer than a segment: cut where the segment is full (26); the rest fits
+    assert starts.tolist() == [0, 7, 12, 18, 26]
+    ends = np.append(starts[1:], len(row))
+    assert np.all(ends - starts <= 8) and np.all(ends - starts >= 1)
+    assert np.flatnonzero(seg.may_start(row)).tolist() == [3, 7, 12, 18, 30]
+    for k in range(1, len(starts)):  # a prefix that ends at a start is cut as the whole row before it
+        assert seg.starts(row[:starts[k]], 8).tolist() == starts[:k].tolist()
+    # a line break ends a sentence too; a period inside a word ("a.b": no space after) does not
+    words = np.array([11, 13, NEWLINE, 6, 8, PERIOD, 10, 13, 15, PERIOD, 17])
+    assert np.flatnonzero(seg.may_start(words)).tolist() == [3, 10]
+    # min_fill: a segment holds at least that share of S (an earlier sentence end is passed over)
+    assert SentenceSegmenter(TinyTokenizer(), min_fill=1.0).starts(row, 8).tolist() == [0, 8, 16, 24, 32]
+    assert seg.starts(_text([2, 5, 4]), 8).tolist() == [0, 7]  # 2 alone is under min_fill: 2 + 5
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="min_fill"):
+            SentenceSegmenter(TinyTokenizer(), bad)
+    with pytest.raises(ValueError, match="tokenizer"):
+        SentenceSegmenter(None)
+
+
+def test_segment_at_places_every_token_and_rejects_bad_starts():
+    ids = np.arange(1, 21)[None].repeat(2, 0)
+    segs, slots = segment_at(ids, np.array([20, 11]), [np.array([0, 7, 15]), np.array([0, 3])], 8)
+    assert segs.n.tolist() == [[7, 3], [8, 8], [5, 0]] and segs.first.tolist() == [[True, True], [False, False],
+                                                                                     [False, False]]
+    flat = np.swapaxes(segs.ids, 0, 1).reshape(2, -1)
+    valid = slots >= 0
+    assert valid.sum(1).tolist() == [20, 11]
+    np.testing.assert_array_equal(np.take_along_axis(flat, np.maximum(slots, 0), 1)[valid], ids[valid])
+    for starts in ([1, 8], [0, 9], [0, 5, 5]):
+        with pytest.raises(ValueError, match="segment starts"):
+            segment_at(ids[:1], np.array([20]), [np.array(starts)], 8)
+
+
+def test_sentence_segments_in_a_batch_schedules_and_streaming():
+    armt = _sentence_armt()
+    rows = [_text([3, 4, 2, 7, 5, 6]), _text([6, 6, 6, 2])]  # 27 and 20 tokens, cut differently
+    ids = np.zeros((2, 27), np.int64)
+    mask = np.zeros((2, 27), bool)
+    for r, row in enumerate(rows):
+        ids[r, 27 - len(row):], mask[r, 27 - len(row):] = row, True  # left padding
+    diagonal = armt(ids, mask, schedule="diagonal")
+    sequential = armt(ids, mask, schedule="sequential")
+    assert float(jnp.abs(diagonal - sequential).max()) <= 1e-4
+    for r, row in enumerate(rows):  # each row as if alone, and not the fixed grid's logits
+        alone = armt(row[None], schedule="sequential")[0]
+        assert float(jnp.abs(diagonal[r][mask[r]] - alone).max()) <= 1e-4
+        armt.segmentation = "fixed"
+        fixed = armt(row[None], schedule="sequential")[0]
+        armt.segmentation = "sentences"
+        assert float(jnp.abs(alone - fixed).max()) > 1e-2
+    assert float(jnp.abs(diagonal[~mask]).max()) == 0.0
+    with pytest.raises(ValueError, match="streaming"):
+        armt.init_state(1)
+    with pytest.raises(ValueError, match="segmentation"):
+        armt.segmentation = "words"
+
+
+def test_sentence_generation_equals_repeated_generation_logits():
+    armt = _sentence_armt()
+    rows = [_text([3, 4, 2, 7, 5, 2]), _text([6, 6, 6, 2])]  # windows open at 15 and 12
+    n = max(map(len, rows))
+    ids = np.zeros((2, n), np.int64)
+    mask = np.arange(n)[None] < np.array([len(r) for r in rows])[:, None]
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = row
+    new = 14  # both windows fill: commits, then plain segments
+    got = {s: armt.generate_ids(ids, new, attention_mask=mask, schedule=s, eos_id=-1)
+           for s in ("diagonal", "sequential")}
+    np.testing.assert_array_equal(got["diagonal"], got["sequential"])
+    for r, row in enumerate(rows):
+        seq = list(row)
+        for _ in range(new):
+            logits = armt.generation_logits(np.asarray(seq)[None], len(row), schedule="diagonal")
+            seq.append(int(jnp.argmax(logits[0, -1])))
+        assert got["diagonal"][r, n:].tolist() == seq[len(row):]
+    # rows whose windows open at different places in one batch: each row as if alone
+    pair = np.stack([_text([3, 4, 5, 6, 8]), _text([7, 7, 8, 4])])  # 22-token prompts: windows at 18 and 14
+    assert window_starts(armt, pair, np.array([22, 22])).tolist() == [18, 14]
+    both = armt.generation_logits(pair, 22)
+    for r in range(2):
+        assert float(jnp.abs(both[r] - armt.generation_logits(pair[r:r + 1], 22)[0]).max()) <= 1e-4
+
+
+def test_shipped_tokenizer_keeps_split_facts_in_one_segment():
+    tok = load_default_tokenizer()
+    seg = SentenceSegmenter(tok)
+    batch = held_out_batch(range(8), 2048, tok, num_facts=1, split_segment=128)
+    assert code_split_by_boundary(batch["code_start"], 128).all()  # the fixed grid splits every asked fact
+    for r in range(8):
+        row, code = batch["ids"][r], batch["code_start"][r]
+        fact = batch["fact_positions"][r][batch["target_fact"][r]]
+        starts = seg.starts(row, 128)
+        ends = np.append(starts[1:], len(row))
+        assert np.all(ends - starts <= 128) and np.all(ends[:-1] - starts[:-1] >= 64)
+        # no segment starts inside the asked fact (subject ... last code digit)
+        assert not np.any((starts > fact) & (starts <= code + CODE_DIGITS - 1))
