@@ -80,7 +80,7 @@ def test_segment_at_places_every_token_and_rejects_bad_starts():
     valid = slots >= 0
     assert valid.sum(1).tolist() == [20, 11]
     np.testing.assert_array_equal(np.take_along_axis(flat, np.maximum(slots, 0), 1)[valid], ids[valid])
-    for starts in ([1, 8], [0, 9], [0, 5, 5]):
+    for starts in ([1, 8], [0, 9], [0, 5, 5], []):
         with pytest.raises(ValueError, match="segment starts"):
             segment_at(ids[:1], np.array([20]), [np.array(starts)], 8)
 

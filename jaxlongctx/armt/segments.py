@@ -74,8 +74,8 @@ def segment_at(ids: np.ndarray, lengths: np.ndarray, starts: list[np.ndarray], s
     slots = np.full((b, t), -1, np.int64)
     for r, (row_starts, length) in enumerate(zip(starts, lengths)):
         ends = np.append(row_starts[1:], length)
-        if len(row_starts) and (row_starts[0] != 0 or np.any(ends - row_starts < 1)
-                                or np.any(ends - row_starts > segment_size)):
+        if (len(row_starts) > 0) != (length > 0) or len(row_starts) and (
+                row_starts[0] != 0 or np.any(ends - row_starts < 1) or np.any(ends - row_starts > segment_size)):
             raise ValueError(f"row {r}: segment starts {row_starts.tolist()} do not cut {length} tokens into "
                              f"segments of 1..{segment_size}")
         for j, (a, e) in enumerate(zip(row_starts, ends)):
