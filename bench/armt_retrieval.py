@@ -157,9 +157,13 @@ def goal_only(ckpt: Path, counts: list[int], samples: int, segmentation: str = "
                         "results": rows, "goal": goal_check(rows, longest)})
 
 
-SPLIT_ROWS = (("one_fact", False, "fixed", "as drawn"), ("split_fact", True, "fixed", "boundary inside the asked fact"),
-              ("one_fact_sentences", False, "sentences", "as drawn, sentence segments"),
-              ("split_fact_sentences", True, "sentences", "shifted as above, sentence segments"))
+# row, asked fact split on the grid, segmentation, label, plot style (hollow squares: the sentence rows can coincide)
+SPLIT_ROWS = (("one_fact", False, "fixed", "as drawn", {}),
+              ("split_fact", True, "fixed", "boundary inside the asked fact", {}),
+              ("one_fact_sentences", False, "sentences", "as drawn, sentence segments",
+               {"fmt": "s--", "markersize": 11, "markerfacecolor": "none"}),
+              ("split_fact_sentences", True, "sentences", "shifted as above, sentence segments", {"fmt": "^:"}))
+SEGMENTATION_LABELS = {"fixed": "fixed grid", "sentences": "sentence segments"}
 
 
 def split_facts(ckpt: Path, lengths: list[int], samples: int) -> None:
@@ -168,7 +172,7 @@ def split_facts(ckpt: Path, lengths: list[int], samples: int) -> None:
     armt = load(ckpt, "fp32")
     rows: dict[str, list[dict]] = {name: [] for name, *_ in SPLIT_ROWS}
     for length in lengths:
-        for name, split, segmentation, _ in SPLIT_ROWS:
+        for name, split, segmentation, *_ in SPLIT_ROWS:
             armt.segmentation = segmentation
             t0 = time.perf_counter()
             r = retrieval_accuracy(diagonal_decoding_logits(armt), length, samples, num_facts=1,
@@ -181,15 +185,15 @@ def split_facts(ckpt: Path, lengths: list[int], samples: int) -> None:
                                       "plot": "armt_split_facts.png"})
     fig, axes = subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
-    for name, _, _, label in SPLIT_ROWS:
-        _exact_match_errorbar(ax, rows[name], f"{label} ({samples} samples)")
+    for name, _, _, label, style in SPLIT_ROWS:
+        _exact_match_errorbar(ax, rows[name], f"{label} ({samples} samples)", **style)
     _length_axis(ax, "exact match (bars: 95% interval)")
     ax.legend(fontsize=8)
     ax = axes[1]  # which digit goes wrong on the shifted samples
     for name, style in (("split_fact", "o-"), ("split_fact_sentences", "s--")):
         for r in rows[name]:
             ax.plot(range(1, CODE_DIGITS + 1), r["wrong_digit_rate"], style,
-                    label=f"{r['length']:,} tokens, {r['segmentation']} segments")
+                    label=f"{r['length']:,} tokens, {SEGMENTATION_LABELS[r['segmentation']]}")
     ax.set_xticks(range(1, CODE_DIGITS + 1))
     ax.set_xlabel("answer digit (teacher-forced)")
     ax.set_ylabel("share of shifted samples wrong at the digit")
@@ -245,11 +249,12 @@ def goal_check(rows: dict[str, list[dict]], longest: int | None) -> dict | None:
     return out if out["rows"] else None
 
 
-def _exact_match_errorbar(ax, rows: list[dict], label: str) -> None:
-    """Exact match vs length of `rows`, with each point's 95% Wilson interval as error bars."""
+def _exact_match_errorbar(ax, rows: list[dict], label: str, **style) -> None:
+    """Exact match vs length of `rows`, with each point's 95% Wilson interval as error bars (`style`:
+    matplotlib errorbar options, default fmt "o-")."""
     y = np.array([r["exact_match"] for r in rows])
     ci = np.array([r["exact_match_ci95"] for r in rows]).T
-    ax.errorbar([r["length"] for r in rows], y, yerr=np.abs(ci - y), fmt="o-", capsize=3, label=label)
+    ax.errorbar([r["length"] for r in rows], y, yerr=np.abs(ci - y), capsize=3, label=label, **{"fmt": "o-", **style})
 
 
 def _length_axis(ax, ylabel: str) -> None:
