@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlongctx.armt.memory import read
-from jaxlongctx.armt.segments import compact, gather_slots, segment
+from jaxlongctx.armt.segments import compact, segment, token_rows
 from jaxlongctx.armt.sequential import MemoryState, segment_through_layers, zero_state
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.attention import attention
@@ -150,9 +150,7 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
     if start.max():
         segs, slots = model.segments(ids, start)
         state, prefix = model.run_segments(model.params, segs, schedule)  # nS B S V
-        prefix = jnp.swapaxes(prefix, 0, 1).reshape(b, -1, V)  # B nS*S V
-        width = int(start.max())
-        prefix = prefix[:, :width] if model.segmentation == "fixed" else gather_slots(prefix, slots[:, :width])
+        prefix = token_rows(prefix, slots, int(start.max()))  # B max(start) V
     else:
         state, prefix = zero_state(model, b), jnp.zeros((b, 0, V), jnp.float32)
     fns = model.__dict__.setdefault("_generate_fns", {})
@@ -166,7 +164,7 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
         segs = segment(_window_rows(ids, start, np.full(b, t), t - int(start.min())), t - start, S)
         segs = segs._replace(first=segs.first & (start == 0))  # continues the prompt's memory
         _, rest = model.run_segments(model.params, segs, schedule, state)  # nS B S V
-        rest = jnp.swapaxes(rest, 0, 1).reshape(b, -1, V)  # from each row's window start
+        rest = token_rows(rest, None, rest.shape[0] * S)  # B nS*S V, from each row's window start
     if np.all(start == start[0]):  # one window for every row: prefix, window, rest side by side
         o, e = int(start[0]), int(stop[0])
         return jnp.concatenate([prefix, window[:, :e - o]] + ([rest[:, e - o:t - o]] if t > e else []), axis=1)
@@ -175,6 +173,7 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
     source = np.where(pos < o, pos, prefix.shape[1] + np.where(pos < stop[:, None], pos - o, 2 * S + pos - o))
     parts = [prefix, window] + ([] if rest is None else [rest])
     return jnp.take_along_axis(jnp.concatenate(parts, axis=1), jnp.asarray(source)[..., None], axis=1)
+
 
 def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,

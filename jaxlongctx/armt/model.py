@@ -18,7 +18,7 @@ from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.diagonal import CPUExecution, diagonal_forward
 from jaxlongctx.armt.generation import generate_ids, generation_logits
 from jaxlongctx.armt.params import MemoryParams
-from jaxlongctx.armt.segments import Segments, compact, gather_slots, segment, segment_at
+from jaxlongctx.armt.segments import Segments, compact, segment, segment_at, token_rows
 from jaxlongctx.armt.sentences import SentenceSegmenter
 from jaxlongctx.armt.sequential import MemoryState, sequential_forward
 from jaxlongctx.checkpoint import (CheckpointError, atomic_directory, load_module, read_metadata, save_params,
@@ -148,13 +148,12 @@ class ARMTModel:
             return [np.arange(0, n, S) for n in lengths]
         return [self._segmenter.starts(row[:n], S) if n else np.zeros(0, np.int64) for row, n in zip(ids, lengths)]
 
-    def segments(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[Segments, np.ndarray]:
+    def segments(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[Segments, np.ndarray | None]:
         """Left-aligned rows `ids [B, T]` with `lengths [B]` cut by `segmentation`: the segments and every
-        token's slot `[B, T]` in its row's flattened segments (-1 past the row's length)."""
+        token's slot `[B, T]` in its row's flattened segments (-1 past the row's length; None on the fixed
+        grid, where a token's slot is its position). `token_rows` maps segment outputs back to tokens."""
         if self._segmenter is None:
-            t = ids.shape[1]
-            slots = np.where(np.arange(t)[None] < lengths[:, None], np.arange(t)[None], -1)
-            return segment(ids, lengths, self.armt.segment_size), slots
+            return segment(ids, lengths, self.armt.segment_size), None
         return segment_at(ids, lengths, self.segment_starts(ids, lengths), self.armt.segment_size)
 
     def run(self, ids: Any, attention_mask: Any = None, schedule: str = "diagonal"
@@ -166,8 +165,7 @@ class ARMTModel:
         segs, slots = self.segments(ids_c, lengths)
         state, logits = self.run_segments(self.params, segs, schedule)
         b, t = ids.shape
-        logits = jnp.swapaxes(logits, 0, 1).reshape(b, -1, self.config.vocab_size)
-        logits = logits[:, :t] if self._segmenter is None else gather_slots(logits, slots)
+        logits = token_rows(logits, slots, t)
         if not mask.all():
             inverse = np.argsort(order, axis=1)
             logits = jnp.take_along_axis(logits, jnp.asarray(inverse)[..., None], axis=1)

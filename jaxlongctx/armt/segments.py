@@ -86,9 +86,14 @@ def segment_at(ids: np.ndarray, lengths: np.ndarray, starts: list[np.ndarray], s
     return Segments(seg_ids, n, first), slots
 
 
-def gather_slots(flat: jnp.ndarray, slots: np.ndarray) -> jnp.ndarray:
-    """Per-token rows `[B, T, ...]` of `flat [B, nS * S, ...]` (a row's flattened segments) at `slots
-    [B, T]` (see `segment_at`); zeros where the slot is -1."""
+def token_rows(seg_rows: jnp.ndarray, slots: np.ndarray | None, width: int) -> jnp.ndarray:
+    """Per-segment rows `[nS, B, S, ...]` (logits, say) -> per-token rows `[B, width, ...]`: on the fixed
+    grid (`slots` None) the first `width` of each row's flattened segments, else those at `slots [B, >=
+    width]` (see `segment_at`), zeros where a slot is -1."""
+    flat = jnp.swapaxes(seg_rows, 0, 1).reshape(seg_rows.shape[1], -1, *seg_rows.shape[3:])  # B nS*S ...
+    if slots is None:
+        return flat[:, :width]
+    slots = slots[:, :width]
     idx = jnp.asarray(np.maximum(slots, 0)).reshape(slots.shape + (1,) * (flat.ndim - 2))
     out = jnp.take_along_axis(flat, idx, axis=1)
     return jnp.where(jnp.asarray(slots >= 0).reshape(idx.shape), out, 0)

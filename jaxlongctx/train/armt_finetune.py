@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.model import ARMTModel
-from jaxlongctx.armt.segments import Segments, segment
+from jaxlongctx.armt.segments import Segments, segment, token_rows
 from jaxlongctx.data.corpus import SPLITS
 from jaxlongctx.data.haystack import (CODE_DIGITS, FILLER_SPLIT, TOKENS_BEFORE_CODE, follow_up_ids, make_sample,
                                       split_asked_fact, train_seed)
@@ -159,15 +159,9 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
             "answer_ids": answer_ids, "answer_pos": answer_pos, "answer_mask": answer_mask}
 
 
-def flat_logits(logits: jnp.ndarray, total_tokens: int) -> jnp.ndarray:
-    """Segment logits `[nS, B, S, V]` -> the sample's `[B, total_tokens, V]` in token order."""
-    flat = jnp.swapaxes(logits, 0, 1).reshape(logits.shape[1], -1, logits.shape[-1])  # B nS*S V
-    return flat[:, :total_tokens]
-
-
 def answer_logits(logits: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
     """Logits `[nS, B, S, V]` -> those at the sample positions `[B, K]` (token order): `[B, K, V]`."""
-    flat = flat_logits(logits, logits.shape[0] * logits.shape[2])  # B nS*S V
+    flat = token_rows(logits, None, logits.shape[0] * logits.shape[2])  # B nS*S V
     return jnp.take_along_axis(flat, positions[..., None], axis=1)
 
 
@@ -185,7 +179,7 @@ def retrieval_loss(logits: jnp.ndarray, batch: dict[str, jnp.ndarray], lm_weight
     if lm_weight:
         ids, lengths = batch["ids"], batch["lengths"]
         total = ids.shape[1]
-        lm = optax.softmax_cross_entropy_with_integer_labels(flat_logits(logits, total)[:, :-1], ids[:, 1:])
+        lm = optax.softmax_cross_entropy_with_integer_labels(token_rows(logits, None, total)[:, :-1], ids[:, 1:])
         weight = (jnp.arange(total - 1)[None] < lengths[:, None] - 1).astype(lm.dtype)  # real targets
         loss = loss + lm_weight * jnp.sum(lm * weight) / jnp.sum(weight)
     return loss
