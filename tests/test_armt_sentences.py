@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from jaxlongctx.armt.generation import window_starts
-from jaxlongctx.armt.segments import segment_at
+from jaxlongctx.armt.segments import Segments, pad_segments, segment_at
 from jaxlongctx.armt.sentences import SentenceSegmenter
 from jaxlongctx.data.haystack import CODE_DIGITS, code_split_by_boundary, held_out_batch
 from jaxlongctx.data.tokenizer import load_default_tokenizer
+from jaxlongctx.demo import ARMT_MODEL
+from jaxlongctx.loading import load
+from jaxlongctx.train.armt_finetune import answer_logits, haystack_batch, retrieval_loss
 from test_armt_utils import VOCAB, make_armt
 
 RNG = np.random.default_rng(5)
@@ -71,7 +76,7 @@ def test_starts_keep_short_sentences_whole_and_cut_long_ones():
         SentenceSegmenter(None)
 
 
-def test_segment_at_places_every_token_and_rejects_bad_starts():
+def test_segment_at_places_every_token_rejects_bad_starts_and_pads():
     ids = np.arange(1, 21)[None].repeat(2, 0)
     segs, slots = segment_at(ids, np.array([20, 11]), [np.array([0, 7, 15]), np.array([0, 3])], 8)
     assert segs.n.tolist() == [[7, 3], [8, 8], [5, 0]] and segs.first.tolist() == [[True, True], [False, False],
@@ -80,6 +85,10 @@ def test_segment_at_places_every_token_and_rejects_bad_starts():
     valid = slots >= 0
     assert valid.sum(1).tolist() == [20, 11]
     np.testing.assert_array_equal(np.take_along_axis(flat, np.maximum(slots, 0), 1)[valid], ids[valid])
+    padded = pad_segments(segs, 4)  # one empty segment more: nothing to read, nothing moves
+    assert padded.count == 4 and padded.n[3].tolist() == [0, 0] and not padded.first[3].any()
+    np.testing.assert_array_equal(padded.ids[:3], segs.ids)
+    assert pad_segments(segs, 3) is segs
     for starts in ([1, 8], [0, 9], [0, 5, 5], []):
         with pytest.raises(ValueError, match="segment starts"):
             segment_at(ids[:1], np.array([20]), [np.array(starts)], 8)
@@ -148,3 +157,35 @@ def test_shipped_tokenizer_keeps_split_facts_in_one_segment():
         assert np.all(ends - starts <= 128) and np.all(ends[:-1] - starts[:-1] >= 64)
         # no segment starts inside the asked fact (subject ... last code digit)
         assert not np.any((starts > fact) & (starts <= code + CODE_DIGITS - 1))
+
+
+def test_training_on_sentence_segments_scores_the_tokens_decoding_sees():
+
+    tok = load_default_tokenizer()
+    batch = haystack_batch(3, 2, 2048, tok, 128, (2, 4), follow_ups=True, segmenter=SentenceSegmenter(tok))
+    count, lengths = batch["seg_ids"].shape[0], batch["lengths"]
+    assert count % 2 == 0 and count > 16  # more segments than the grid's 16, padded to a multiple of 16 / 8
+    for r, n in enumerate(lengths):  # every token sits at its slot, once; past the row's length none does
+        slots = batch["slots"][r]
+        assert np.all(slots[n:] == -1) and len(np.unique(slots[:n])) == n
+        flat = batch["seg_ids"][:, r].reshape(-1)
+        np.testing.assert_array_equal(flat[slots[:n]], batch["ids"][r, :n])
+    assert batch["seg_n"].sum(0).tolist() == lengths.tolist()
+
+    armt = load(ARMT_MODEL, "fp32")
+    _, seg_logits = armt.run_segments(armt.params, Segments(batch["seg_ids"], batch["seg_n"], batch["seg_first"]),
+                                      "diagonal")
+    armt.segmentation = "sentences"  # the reference: the model's own sentence-segmented forward, token order
+    mask = np.arange(batch["ids"].shape[1])[None] < lengths[:, None]
+    logits = armt(batch["ids"], mask)  # B T V
+    answer = answer_logits(seg_logits, batch["answer_pos"], batch["slots"])
+    expected = np.take_along_axis(np.asarray(logits), batch["answer_pos"][..., None], axis=1)
+    np.testing.assert_allclose(answer, expected, atol=2e-4)
+    grid_loss = retrieval_loss(seg_logits, {k: v for k, v in batch.items() if k != "slots"}, 0.5)
+    loss = jax.jit(lambda lg, b: retrieval_loss(lg, b, 0.5))(seg_logits, batch)  # slots traced, as in training
+    ce = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(expected), batch["answer_ids"])
+    lm = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["ids"][:, 1:])
+    real = mask[:, 1:] & mask[:, :-1]
+    reference = (ce * batch["answer_mask"]).sum() / batch["answer_mask"].sum() + 0.5 * (lm * real).sum() / real.sum()
+    np.testing.assert_allclose(loss, reference, rtol=1e-4)
+    assert abs(float(grid_loss) - float(loss)) > 1e-2  # reading the segments as a grid scores the wrong tokens

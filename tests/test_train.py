@@ -249,7 +249,7 @@ def test_train_armt_runs_its_curriculum_and_saves_a_loadable_model(tmp_path):
             "--num-facts", "1-2", "--no-progress"]
     summary = run_train_armt(parser.parse_args(args))
     assert summary["steps"] == 4 and [st["tokens"] for st in summary["curriculum"]] == [64, 256]
-    assert summary["num_facts"] == [1, 2] and summary["filler_split"] == "train"
+    assert summary["num_facts"] == [1, 2] and summary["filler_split"] == "train" and summary["segmentation"] == "fixed"
     assert np.isfinite(summary["final_loss"]) and summary["accuracy"][0]["samples"] == 2
     history = json.loads((tmp_path / "run/checkpoints/step_00000004/trainer.json").read_text())["history"]
     assert len(history["loss"]) == 4
@@ -264,10 +264,11 @@ def test_train_armt_runs_its_curriculum_and_saves_a_loadable_model(tmp_path):
         run_train_armt(parser.parse_args(again + ["--segment-size", "64"]))
     summary = run_train_armt(parser.parse_args(again + ["--follow-ups", "--num-facts", "3",
                                                         "--shared-word-fraction", "0.5",
-                                                        "--filler-split", "validation"]))
+                                                        "--filler-split", "validation",
+                                                        "--segmentation", "sentences"]))
     assert summary["init"] == str(tmp_path / "armt") and summary["armt_config"]["segment_size"] == 128
     assert summary["follow_ups"] and summary["shared_word_fraction"] == 0.5 and np.isfinite(summary["final_loss"])
-    assert summary["filler_split"] == "validation"
+    assert summary["filler_split"] == "validation" and summary["segmentation"] == "sentences"
     further = load(tmp_path / "armt2")
     assert further.armt == armt.armt and float(jnp.abs(further(np.full((1, 200), 5, np.int32)) - out).max()) > 0
     with pytest.raises(SystemExit):  # --base and --init exclude each other

@@ -86,6 +86,16 @@ def segment_at(ids: np.ndarray, lengths: np.ndarray, starts: list[np.ndarray], s
     return Segments(seg_ids, n, first), slots
 
 
+def pad_segments(segs: Segments, multiple: int) -> Segments:
+    """`segs` with empty segments (n = 0) appended up to a multiple of `multiple` segments, so that a
+    varying segment count compiles to few shapes (slots into the flattened segments stay valid)."""
+    extra = -segs.count % multiple
+    if not extra:
+        return segs
+    pad = lambda x: np.concatenate([x, np.zeros((extra,) + x.shape[1:], x.dtype)])
+    return Segments(pad(segs.ids), pad(segs.n), pad(segs.first))
+
+
 def token_rows(seg_rows: jnp.ndarray, slots: np.ndarray | None, width: int) -> jnp.ndarray:
     """Per-segment rows `[nS, B, S, ...]` (logits, say) -> per-token rows `[B, width, ...]`: on the fixed
     grid (`slots` None) the first `width` of each row's flattened segments, else those at `slots [B, >=
@@ -93,7 +103,7 @@ def token_rows(seg_rows: jnp.ndarray, slots: np.ndarray | None, width: int) -> j
     flat = jnp.swapaxes(seg_rows, 0, 1).reshape(seg_rows.shape[1], -1, *seg_rows.shape[3:])  # B nS*S ...
     if slots is None:
         return flat[:, :width]
-    slots = slots[:, :width]
-    idx = jnp.asarray(np.maximum(slots, 0)).reshape(slots.shape + (1,) * (flat.ndim - 2))
+    slots = jnp.asarray(slots)[:, :width]  # numpy, or traced inside a jitted loss
+    idx = jnp.maximum(slots, 0).reshape(slots.shape + (1,) * (flat.ndim - 2))
     out = jnp.take_along_axis(flat, idx, axis=1)
-    return jnp.where(jnp.asarray(slots >= 0).reshape(idx.shape), out, 0)
+    return jnp.where((slots >= 0).reshape(idx.shape), out, 0)

@@ -26,8 +26,9 @@ import optax
 from flax import nnx
 
 from jaxlongctx.armt.config import ARMTConfig
-from jaxlongctx.armt.model import ARMTModel
-from jaxlongctx.armt.segments import Segments, segment, token_rows
+from jaxlongctx.armt.model import SEGMENTATIONS, ARMTModel
+from jaxlongctx.armt.segments import Segments, pad_segments, segment, segment_at, token_rows
+from jaxlongctx.armt.sentences import SentenceSegmenter
 from jaxlongctx.data.corpus import SPLITS
 from jaxlongctx.data.haystack import (CODE_DIGITS, FILLER_SPLIT, TOKENS_BEFORE_CODE, follow_up_ids, make_sample,
                                       split_asked_fact, train_seed)
@@ -75,7 +76,8 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
                    num_facts: int | tuple[int, int], boundary_fraction: float = 0.0,
                    far_fraction: float = 0.0, follow_ups: bool = False,
                    shared_word_fraction: float = 0.0, filler_split: str = TRAIN_FILLER_SPLIT,
-                   split_fraction: float = 0.0) -> dict[str, np.ndarray]:
+                   split_fraction: float = 0.0, segmenter: SentenceSegmenter | None = None
+                   ) -> dict[str, np.ndarray]:
     """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
     the supervised answer digits, with `T = total_tokens`.
 
@@ -102,6 +104,11 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     Answer arrays are `[B, K]`, `K = CODE_DIGITS * (hi if follow_ups else 1)`: `answer_ids` the digits,
     `answer_pos` the position of the logit that predicts each, `answer_mask` 1 for a real digit, 0 for
     padding (fewer facts or follow-ups than `hi`).
+
+    Rows are cut on the fixed grid, or with `segmenter` at its sentence-aligned starts; the batch then
+    also holds every token's slot `slots [B, T]` in its row's flattened segments (see `segment_at`), and
+    the segment count is padded with empty segments to a multiple of an eighth of the grid's count
+    (few compiled shapes, at most an eighth of the grid's segments wasted).
     """
     lo, hi = (num_facts, num_facts) if isinstance(num_facts, int) else num_facts
     if not 1 <= lo <= hi:
@@ -154,14 +161,24 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
         answer_ids[i, :n] = np.concatenate(digits)
         answer_pos[i, :n] = (np.array(pos)[:, None] + np.arange(CODE_DIGITS)[None]).reshape(-1)
         answer_mask[i, :n] = 1.0
-    segs = segment(ids, lengths, segment_size)
-    return {"ids": ids, "lengths": lengths, "seg_ids": segs.ids, "seg_n": segs.n, "seg_first": segs.first,
-            "answer_ids": answer_ids, "answer_pos": answer_pos, "answer_mask": answer_mask}
+    out = {"ids": ids, "lengths": lengths, "answer_ids": answer_ids, "answer_pos": answer_pos,
+           "answer_mask": answer_mask}
+    if segmenter is None:
+        segs = segment(ids, lengths, segment_size)
+    else:
+        starts = [segmenter.starts(row[:n], segment_size) for row, n in zip(ids, lengths)]
+        segs, slots = segment_at(ids, lengths, starts, segment_size)
+        grid_count = -(-total_tokens // segment_size)
+        segs, out["slots"] = pad_segments(segs, max(1, grid_count // 8)), slots.astype(np.int32)
+    return {**out, "seg_ids": segs.ids, "seg_n": segs.n, "seg_first": segs.first}
 
 
-def answer_logits(logits: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
-    """Logits `[nS, B, S, V]` -> those at the sample positions `[B, K]` (token order): `[B, K, V]`."""
+def answer_logits(logits: jnp.ndarray, positions: jnp.ndarray, slots: jnp.ndarray | None = None) -> jnp.ndarray:
+    """Logits `[nS, B, S, V]` -> those at the sample positions `[B, K]` (token order): `[B, K, V]`; with
+    `slots [B, T]` (sentence segments) a token's logits are at its slot of the flattened segments."""
     flat = token_rows(logits, None, logits.shape[0] * logits.shape[2])  # B nS*S V
+    if slots is not None:
+        positions = jnp.take_along_axis(slots, positions, axis=1)
     return jnp.take_along_axis(flat, positions[..., None], axis=1)
 
 
@@ -170,16 +187,18 @@ def retrieval_loss(logits: jnp.ndarray, batch: dict[str, jnp.ndarray], lm_weight
     the samples' tokens.
 
     logits `[nS, B, S, V]` of the segmented `batch["ids"] [B, T]` (right-padded to T); the batch of
-    `haystack_batch` also gives `lengths [B]` and `answer_ids`, `answer_pos`, `answer_mask [B, K]`.
+    `haystack_batch` also gives `lengths [B]` and `answer_ids`, `answer_pos`, `answer_mask [B, K]`, and
+    with sentence segments the tokens' `slots [B, T]`.
     """
-    answer = optax.softmax_cross_entropy_with_integer_labels(answer_logits(logits, batch["answer_pos"]),
+    slots = batch.get("slots")
+    answer = optax.softmax_cross_entropy_with_integer_labels(answer_logits(logits, batch["answer_pos"], slots),
                                                              batch["answer_ids"])
     mask = batch["answer_mask"]
     loss = jnp.sum(answer * mask) / jnp.sum(mask)
     if lm_weight:
         ids, lengths = batch["ids"], batch["lengths"]
         total = ids.shape[1]
-        lm = optax.softmax_cross_entropy_with_integer_labels(token_rows(logits, None, total)[:, :-1], ids[:, 1:])
+        lm = optax.softmax_cross_entropy_with_integer_labels(token_rows(logits, slots, total)[:, :-1], ids[:, 1:])
         weight = (jnp.arange(total - 1)[None] < lengths[:, None] - 1).astype(lm.dtype)  # real targets
         loss = loss + lm_weight * jnp.sum(lm * weight) / jnp.sum(weight)
     return loss
@@ -189,10 +208,14 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, st
                  num_facts: int | tuple[int, int] = 1, lm_weight: float = 1.0, freeze_base: bool = False, seed: int = 0,
                  boundary_fraction: float = 0.0, far_fraction: float = 0.0, follow_ups: bool = False,
                  shared_word_fraction: float = 0.0, filler_split: str = TRAIN_FILLER_SPLIT,
-                 split_fraction: float = 0.0) -> Trainer:
+                 split_fraction: float = 0.0, segmentation: str = "fixed") -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
-    params, and the base weights unless `freeze_base`)."""
+    params, and the base weights unless `freeze_base`), the samples cut by `segmentation` ("fixed" or
+    "sentences", as `ARMTModel.segmentation`)."""
     tokenizer = load_default_tokenizer()
+    if segmentation not in SEGMENTATIONS:
+        raise ValueError(f"segmentation must be one of {SEGMENTATIONS}, got {segmentation!r}")
+    segmenter = SentenceSegmenter(tokenizer) if segmentation == "sentences" else None
     s = armt.armt.segment_size
     per_step = stage_per_step(stages)
     if len(per_step) != trainer.steps:
@@ -203,7 +226,7 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, st
         stage = per_step[step]
         return haystack_batch(train_seed(seed * 1_000_000 + step), stage.batch_size, stage.tokens, tokenizer, s,
                               num_facts, boundary_fraction, far_fraction, follow_ups, shared_word_fraction,
-                              filler_split, split_fraction)
+                              filler_split, split_fraction, segmenter)
 
     def loss_fn(params, frozen, batch):
         full = (frozen, params) if freeze_base else params
@@ -249,6 +272,9 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-fraction", type=float, default=0.0,
                         help="share of samples shifted so that a segment boundary separates the asked fact's "
                              "subject from its code's last digit (default 0: wherever the fact falls)")
+    parser.add_argument("--segmentation", choices=SEGMENTATIONS, default="fixed",
+                        help="cut the training samples on the fixed grid of segment-size tokens (default) or at "
+                             "sentence ends, as ARMTModel.segmentation = 'sentences' cuts prompts")
     parser.add_argument("--follow-ups", action="store_true",
                         help="after the answer, ask about each other fact of the sample too (as many as fit), every "
                              "answer supervised: more signal per sample (evaluation always asks one question)")
@@ -314,7 +340,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress)
     trainer = armt_trainer(armt, optim, tcfg, stages, facts, args.lm_weight, args.freeze_base, args.seed,
                            args.boundary_fraction, args.far_fraction, args.follow_ups, args.shared_word_fraction,
-                           args.filler_split, args.split_fraction)
+                           args.filler_split, args.split_fraction, args.segmentation)
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
     trainer.run()
@@ -322,13 +348,14 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     base_state, memory = (trainer.frozen, trainer.params) if args.freeze_base else trainer.params
     load_into(armt.base.module, base_state)
     load_into(armt.memory, memory)
+    armt.segmentation = args.segmentation  # the accuracy check cuts prompts as training did
     summary: dict[str, Any] = {
         "init": args.init, "base": args.base, "armt_config": cfg.to_dict(), "optim": dataclasses.asdict(optim),
         "steps": steps,
         "curriculum": [dataclasses.asdict(stage) for stage in stages], "lm_weight": args.lm_weight,
         "boundary_fraction": args.boundary_fraction, "far_fraction": args.far_fraction,
         "shared_word_fraction": args.shared_word_fraction, "filler_split": args.filler_split,
-        "split_fraction": args.split_fraction,
+        "split_fraction": args.split_fraction, "segmentation": args.segmentation,
         "freeze_base": args.freeze_base, "num_facts": list(facts), "follow_ups": args.follow_ups, "resumed": resumed,
         "train_wall_s": trainer.history["wall_s"][-1], "this_session_wall_s": time.perf_counter() - t0,
         "final_loss": trainer.history["loss"][-1],
