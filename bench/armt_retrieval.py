@@ -26,9 +26,9 @@ Writes bench/results/armt_retrieval.{json,png}.
 
 `--goal-only --goal-samples N` scores just the goal: each ARMT fact count at 4x the longest training
 sample on the first N held-out samples (the sweep's 64 among them), to narrow the 95% interval the
-sweep leaves around 90%; writes bench/results/armt_retrieval_goal.json. With `--segmentation sentences`
-the prompts are cut after sentence ends instead of every S tokens (see `jaxlongctx.armt.sentences`);
-writes bench/results/armt_retrieval_goal_sentences.json.
+sweep leaves around 90%; writes bench/results/armt_retrieval_goal.json. The prompts are cut as the
+checkpoint was saved (every S tokens, or after sentence ends: see `jaxlongctx.armt.sentences`);
+`--segmentation fixed|sentences` overrides that and writes bench/results/armt_retrieval_goal_{name}.json.
 
 `--split-lengths 2048,16384 --split-samples N` looks at the one-fact errors' main cause: a segment
 boundary between the asked subject and its code's last digit, which leaves the subject-code binding
@@ -74,8 +74,9 @@ def main() -> None:
     p.add_argument("--split-lengths", default=None,
                    help="comma-separated lengths: score only one fact split by a boundary (see above)")
     p.add_argument("--split-samples", type=int, default=128, help="samples per length with --split-lengths")
-    p.add_argument("--segmentation", choices=["fixed", "sentences"], default="fixed",
-                   help="with --goal-only: how ARMT cuts the prompts into segments")
+    p.add_argument("--segmentation", choices=["fixed", "sentences"], default=None,
+                   help="with --goal-only: how ARMT cuts the prompts into segments (default: as the checkpoint "
+                        "was saved)")
     args = p.parse_args()
     counts = sorted({int(n) for n in args.num_facts.split(",")})
     most = counts[-1]
@@ -137,14 +138,15 @@ def diagonal_decoding_logits(armt):
     return lambda ids, prompt_length: armt.generation_logits(ids, prompt_length, schedule="diagonal")
 
 
-def goal_only(ckpt: Path, counts: list[int], samples: int, segmentation: str = "fixed") -> None:
+def goal_only(ckpt: Path, counts: list[int], samples: int, segmentation: str | None = None) -> None:
     """Score each fact count at the goal length on `samples` held-out samples, the prompts cut by
-    `segmentation`; write the goal JSON."""
+    `segmentation` (None: as the checkpoint was saved); write the goal JSON (its name says an override)."""
     longest = longest_training_tokens(ckpt)
     if longest is None:
         raise SystemExit(f"error: {ckpt / 'training.json'} is missing, so the goal length is unknown")
     armt = load(ckpt, "fp32")
-    armt.segmentation = segmentation
+    saved = armt.segmentation
+    armt.segmentation = segmentation = segmentation or saved
     rows = {}
     for facts in counts:
         t0 = time.perf_counter()
@@ -152,7 +154,7 @@ def goal_only(ckpt: Path, counts: list[int], samples: int, segmentation: str = "
                                segment_size=armt.armt.segment_size, progress=True)
         rows[f"armt_{facts}_facts"] = [{**r, "wall_s": time.perf_counter() - t0}]
         print(f"armt_{facts}_facts", r, flush=True)
-    name = "armt_retrieval_goal" + ("" if segmentation == "fixed" else f"_{segmentation}")
+    name = "armt_retrieval_goal" + ("" if segmentation == saved else f"_{segmentation}")
     write_result(name, {"armt_ckpt": repo_path(ckpt), "filler_split": FILLER_SPLIT, "segmentation": segmentation,
                         "results": rows, "goal": goal_check(rows, longest)})
 

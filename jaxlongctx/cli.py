@@ -67,7 +67,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from jaxlongctx.armt import ARMTConfig
 
         model = model.with_armt(ARMTConfig(args.armt_segment, args.armt_mem), jax.random.key(args.seed))
-    if args.armt_segmentation != "fixed":
+    if args.armt_segmentation is not None:
         if isinstance(model, Model):
             raise ValueError("--armt-segmentation applies to ARMT models (an ARMT checkpoint or --armt-segment)")
         model.segmentation = args.armt_segmentation
@@ -160,9 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--armt-segment", type=int, default=None,
                    help="run the model as ARMT with this segment size (fresh memory unless the checkpoint has it)")
     g.add_argument("--armt-mem", type=int, default=None, help="ARMT memory tokens per segment")
-    g.add_argument("--armt-segmentation", choices=["fixed", "sentences"], default="fixed",
-                   help="ARMT: cut the prompt every segment-size tokens (as in training) or after sentence "
-                        "ends, so that no sentence spans two segments (needs the tokenizer)")
+    g.add_argument("--armt-segmentation", choices=["fixed", "sentences"], default=None,
+                   help="ARMT: cut the prompt every segment-size tokens or after sentence ends, so that no "
+                        "sentence spans two segments (needs the tokenizer); default: as the checkpoint was saved")
     add_kv_cache_arguments(g)
     add_parallel_arguments(g)
     g.set_defaults(func=_cmd_generate)

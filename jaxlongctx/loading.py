@@ -52,7 +52,8 @@ def _restore(ckpt: Path, dtype: jnp.dtype | None, mesh: Mesh | None) -> Llama:
 
 def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> Any:
     """Load a model from our checkpoint or a HF model directory (converted on the fly);
-    an ARMT checkpoint (written by `ARMTModel.save`) loads as an `ARMTModel`.
+    an ARMT checkpoint (written by `ARMTModel.save`) loads as an `ARMTModel`, with the segmentation
+    it was saved with.
 
     `dtype` ('bf16' | 'fp32' | None = as stored) casts the parameters; `mesh` (see
     `jaxlongctx.parallel.make_mesh`) shards them, each process reading only its shards.
@@ -61,11 +62,13 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> An
     if not path.is_dir():
         raise ValueError(f"{path}: no such model directory")
     target = parse_dtype(dtype)
-    if is_checkpoint(path) and "armt" in read_metadata(path):
+    meta = read_metadata(path) if is_checkpoint(path) else {}
+    if "armt" in meta:
         from jaxlongctx.armt import ARMTModel  # noqa: PLC0415
 
         armt = ARMTModel.load(path, target, mesh)
         armt.tokenizer = armt.base.tokenizer = load_tokenizer(path)
+        armt.segmentation = meta.get("segmentation", "fixed")  # as saved (checkpoints before it: the grid)
         return armt
     if is_checkpoint(path):
         module = _restore(path, target, mesh)

@@ -189,3 +189,19 @@ def test_training_on_sentence_segments_scores_the_tokens_decoding_sees():
     reference = (ce * batch["answer_mask"]).sum() / batch["answer_mask"].sum() + 0.5 * (lm * real).sum() / real.sum()
     np.testing.assert_allclose(loss, reference, rtol=1e-4)
     assert abs(float(grid_loss) - float(loss)) > 1e-2  # reading the segments as a grid scores the wrong tokens
+
+
+def test_checkpoint_keeps_its_segmentation(tmp_path):
+    import json
+    import shutil
+
+    armt = load(ARMT_MODEL)
+    for name in ("sentences", "fixed"):
+        armt.segmentation = name
+        assert load(armt.save(tmp_path / name)).segmentation == name
+    older = tmp_path / "older"  # a checkpoint written before segmentations were saved: the grid
+    shutil.copytree(tmp_path / "sentences", older)
+    config = json.loads((older / "config.json").read_text())
+    assert config.pop("segmentation") == "sentences"
+    (older / "config.json").write_text(json.dumps(config))
+    assert load(older).segmentation == "fixed"

@@ -62,6 +62,8 @@ def test_goal_only_scores_each_fact_count_at_the_goal_length(tmp_path, monkeypat
     ckpt = tmp_path / "armt"
     shutil.copytree(ARMT_MODEL, ckpt)
     (ckpt / "training.json").write_text(json.dumps({"runs": [{"curriculum": [{"tokens": 128}]}]}))
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "segmentation": "fixed"}))  # saved on the grid
     monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path / "results")
     goal_only(ckpt, [1, 2], samples=4)
     out = json.loads((tmp_path / "results" / "armt_retrieval_goal.json").read_text())
@@ -70,7 +72,7 @@ def test_goal_only_scores_each_fact_count_at_the_goal_length(tmp_path, monkeypat
     assert cell["length"] == 512 and cell["samples"] == 4 and cell["num_facts"] == 2
     assert out["goal"]["rows"]["armt_2_facts"]["exact_match"] == cell["exact_match"]
     assert out["segmentation"] == "fixed"
-    goal_only(ckpt, [1], samples=4, segmentation="sentences")  # its own file; the fixed-grid one is kept
+    goal_only(ckpt, [1], samples=4, segmentation="sentences")  # an override: its own file, the default's kept
     sentences = json.loads((tmp_path / "results" / "armt_retrieval_goal_sentences.json").read_text())
     assert sentences["segmentation"] == "sentences" and sentences["results"]["armt_1_facts"][0]["samples"] == 4
     assert json.loads((tmp_path / "results" / "armt_retrieval_goal.json").read_text()) == out

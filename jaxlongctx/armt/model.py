@@ -223,13 +223,15 @@ class ARMTModel:
     # --- checkpoints ----------------------------------------------------------------------------
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
         """Save base weights (our checkpoint layout, loadable as a plain model) plus the memory
-        parameters, the ARMT config and the tokenizer (if any), atomically."""
+        parameters, the ARMT config, the segmentation (loading restores it) and the tokenizer (if
+        any), atomically."""
         base = nnx.to_pure_dict(self.base.params)
         with atomic_directory(path, overwrite=overwrite) as tmp:
             save_params(tmp, base)
             with ocp.StandardCheckpointer() as ckptr:
                 ckptr.save(tmp / _MEMORY_DIR, nnx.to_pure_dict(nnx.state(self.memory)))
-            write_metadata(tmp, self.config, str(self.dtype), {"armt": self.armt.to_dict()})
+            write_metadata(tmp, self.config, str(self.dtype),
+                           {"armt": self.armt.to_dict(), "segmentation": self.segmentation})
             if self.tokenizer is not None:
                 self.tokenizer.save(str(tmp / "tokenizer.json"))
         return Path(path)

@@ -272,9 +272,10 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-fraction", type=float, default=0.0,
                         help="share of samples shifted so that a segment boundary separates the asked fact's "
                              "subject from its code's last digit (default 0: wherever the fact falls)")
-    parser.add_argument("--segmentation", choices=SEGMENTATIONS, default="fixed",
-                        help="cut the training samples on the fixed grid of segment-size tokens (default) or at "
-                             "sentence ends, as ARMTModel.segmentation = 'sentences' cuts prompts")
+    parser.add_argument("--segmentation", choices=SEGMENTATIONS,
+                        help="cut the training samples on the fixed grid of segment-size tokens or after sentence "
+                             "ends, as ARMTModel.segmentation = 'sentences' cuts prompts; the saved model keeps it "
+                             "(default: as the --init checkpoint was saved; with --base the fixed grid)")
     parser.add_argument("--follow-ups", action="store_true",
                         help="after the answer, ask about each other fact of the sample too (as many as fit), every "
                              "answer supervised: more signal per sample (evaluation always asks one question)")
@@ -334,13 +335,14 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         defaults = {"--segment-size": 128, "--mem-tokens": 16, "--d-mem": 32}
         cfg = ARMTConfig(*(defaults[name] if value is None else value for name, value in sizes.items()))
         armt = load(args.base, "fp32").with_armt(cfg, jax.random.key(args.seed))
+    segmentation = args.segmentation or armt.segmentation
     out = Path(args.out)
     warmup = max(1, steps // 50) if steps > 1 else 0
     optim = OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=steps, weight_decay=0.0)
     tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress)
     trainer = armt_trainer(armt, optim, tcfg, stages, facts, args.lm_weight, args.freeze_base, args.seed,
                            args.boundary_fraction, args.far_fraction, args.follow_ups, args.shared_word_fraction,
-                           args.filler_split, args.split_fraction, args.segmentation)
+                           args.filler_split, args.split_fraction, segmentation)
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
     trainer.run()
@@ -348,14 +350,14 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     base_state, memory = (trainer.frozen, trainer.params) if args.freeze_base else trainer.params
     load_into(armt.base.module, base_state)
     load_into(armt.memory, memory)
-    armt.segmentation = args.segmentation  # the accuracy check cuts prompts as training did
+    armt.segmentation = segmentation  # the accuracy check cuts prompts as training did
     summary: dict[str, Any] = {
         "init": args.init, "base": args.base, "armt_config": cfg.to_dict(), "optim": dataclasses.asdict(optim),
         "steps": steps,
         "curriculum": [dataclasses.asdict(stage) for stage in stages], "lm_weight": args.lm_weight,
         "boundary_fraction": args.boundary_fraction, "far_fraction": args.far_fraction,
         "shared_word_fraction": args.shared_word_fraction, "filler_split": args.filler_split,
-        "split_fraction": args.split_fraction, "segmentation": args.segmentation,
+        "split_fraction": args.split_fraction, "segmentation": segmentation,
         "freeze_base": args.freeze_base, "num_facts": list(facts), "follow_ups": args.follow_ups, "resumed": resumed,
         "train_wall_s": trainer.history["wall_s"][-1], "this_session_wall_s": time.perf_counter() - t0,
         "final_loss": trainer.history["loss"][-1],
@@ -370,6 +372,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
                  else load(args.base, args.save_dtype).with_armt(cfg, jax.random.key(args.seed)))
         load_into(saved.base.module, cast[0])
         load_into(saved.memory, cast[1])
+        saved.segmentation = segmentation
         saved.save(args.save, overwrite=True)
         summary["saved"] = str(args.save)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
