@@ -52,6 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
+from jaxlongctx.armt.sentences import SEGMENTATIONS  # noqa: E402
 from jaxlongctx.data.corpus import SPLITS  # noqa: E402
 from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL  # noqa: E402
@@ -74,7 +75,7 @@ def main() -> None:
     p.add_argument("--split-lengths", default=None,
                    help="comma-separated lengths: score only one fact split by a boundary (see above)")
     p.add_argument("--split-samples", type=int, default=128, help="samples per length with --split-lengths")
-    p.add_argument("--segmentation", choices=["fixed", "sentences"], default=None,
+    p.add_argument("--segmentation", choices=SEGMENTATIONS, default=None,
                    help="with --goal-only: how ARMT cuts the prompts into segments (default: as the checkpoint "
                         "was saved)")
     args = p.parse_args()

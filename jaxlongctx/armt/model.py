@@ -19,7 +19,7 @@ from jaxlongctx.armt.diagonal import CPUExecution, diagonal_forward
 from jaxlongctx.armt.generation import generate_ids, generation_logits
 from jaxlongctx.armt.params import MemoryParams
 from jaxlongctx.armt.segments import Segments, compact, segment, segment_at, token_rows
-from jaxlongctx.armt.sentences import SentenceSegmenter
+from jaxlongctx.armt.sentences import SentenceSegmenter, make_segmenter
 from jaxlongctx.armt.sequential import MemoryState, sequential_forward
 from jaxlongctx.checkpoint import (CheckpointError, atomic_directory, load_module, read_metadata, save_params,
                                    write_metadata)
@@ -32,7 +32,6 @@ from jaxlongctx.parallel import memory_shardings, param_shardings, shard_memory
 from jaxlongctx.validation import check_ids, check_mask, check_positive_int
 
 SCHEDULES = stream.SCHEDULES
-SEGMENTATIONS = ("fixed", "sentences")
 _MEMORY_DIR = "armt_memory"
 
 
@@ -137,16 +136,14 @@ class ARMTModel:
 
     @segmentation.setter
     def segmentation(self, value: str) -> None:
-        if value not in SEGMENTATIONS:
-            raise ValueError(f"segmentation must be one of {SEGMENTATIONS}, got {value!r}")
-        self._segmenter = None if value == "fixed" else SentenceSegmenter(self.tokenizer)
+        self._segmenter = make_segmenter(value, self.tokenizer)
 
     def segment_starts(self, ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
         """Each left-aligned row's segment starts `[nS_b]` (rows `ids [B, T]`, `lengths [B]`; 0 -> none)."""
         S = self.armt.segment_size
         if self._segmenter is None:
             return [np.arange(0, n, S) for n in lengths]
-        return [self._segmenter.starts(row[:n], S) if n else np.zeros(0, np.int64) for row, n in zip(ids, lengths)]
+        return self._segmenter.row_starts(ids, lengths, S)
 
     def segments(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[Segments, np.ndarray | None]:
         """Left-aligned rows `ids [B, T]` with `lengths [B]` cut by `segmentation`: the segments and every

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 SENTENCE_END = (".", "!", "?")
+SEGMENTATIONS = ("fixed", "sentences")  # how ARMT cuts rows into segments: every S tokens, or after sentences
 
 
 class SentenceSegmenter:
@@ -40,6 +41,10 @@ class SentenceSegmenter:
         ok[1:] = self.sentence_end[prev] & (self.starts_with_space[cur] | self.line_break[prev])
         return ok
 
+    def row_starts(self, ids: np.ndarray, lengths: np.ndarray, segment_size: int) -> list[np.ndarray]:
+        """`starts` of each left-aligned row of `ids [B, T]` with `lengths [B]` (a row of 0 tokens: none)."""
+        return [self.starts(row[:n], segment_size) if n else np.zeros(0, np.int64) for row, n in zip(ids, lengths)]
+
     def starts(self, row: np.ndarray, segment_size: int) -> np.ndarray:
         """Segment starts `[nS]` for the tokens `row [T]` (T >= 1): 0, then greedily the last allowed
         start within a segment's reach (no nearer than `min_fill * S`), else a full segment."""
@@ -52,3 +57,10 @@ class SentenceSegmenter:
             allowed = np.flatnonzero(ok[p + nearest:p + segment_size + 1])
             p = p + nearest + allowed[-1] if len(allowed) else p + segment_size
         return np.asarray(out, np.int64)
+
+
+def make_segmenter(segmentation: str, tokenizer: Any) -> SentenceSegmenter | None:
+    """The segmenter of `segmentation` (one of SEGMENTATIONS): None for the fixed grid."""
+    if segmentation not in SEGMENTATIONS:
+        raise ValueError(f"segmentation must be one of {SEGMENTATIONS}, got {segmentation!r}")
+    return None if segmentation == "fixed" else SentenceSegmenter(tokenizer)

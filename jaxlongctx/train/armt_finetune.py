@@ -26,9 +26,9 @@ import optax
 from flax import nnx
 
 from jaxlongctx.armt.config import ARMTConfig
-from jaxlongctx.armt.model import SEGMENTATIONS, ARMTModel
+from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.armt.segments import Segments, pad_segments, segment, segment_at, token_rows
-from jaxlongctx.armt.sentences import SentenceSegmenter
+from jaxlongctx.armt.sentences import SEGMENTATIONS, SentenceSegmenter, make_segmenter
 from jaxlongctx.data.corpus import SPLITS
 from jaxlongctx.data.haystack import (CODE_DIGITS, FILLER_SPLIT, TOKENS_BEFORE_CODE, follow_up_ids, make_sample,
                                       split_asked_fact, train_seed)
@@ -166,8 +166,7 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     if segmenter is None:
         segs = segment(ids, lengths, segment_size)
     else:
-        starts = [segmenter.starts(row[:n], segment_size) for row, n in zip(ids, lengths)]
-        segs, slots = segment_at(ids, lengths, starts, segment_size)
+        segs, slots = segment_at(ids, lengths, segmenter.row_starts(ids, lengths, segment_size), segment_size)
         grid_count = -(-total_tokens // segment_size)
         segs, out["slots"] = pad_segments(segs, max(1, grid_count // 8)), slots.astype(np.int32)
     return {**out, "seg_ids": segs.ids, "seg_n": segs.n, "seg_first": segs.first}
@@ -213,9 +212,7 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, st
     params, and the base weights unless `freeze_base`), the samples cut by `segmentation` ("fixed" or
     "sentences", as `ARMTModel.segmentation`)."""
     tokenizer = load_default_tokenizer()
-    if segmentation not in SEGMENTATIONS:
-        raise ValueError(f"segmentation must be one of {SEGMENTATIONS}, got {segmentation!r}")
-    segmenter = SentenceSegmenter(tokenizer) if segmentation == "sentences" else None
+    segmenter = make_segmenter(segmentation, tokenizer)
     s = armt.armt.segment_size
     per_step = stage_per_step(stages)
     if len(per_step) != trainer.steps:
