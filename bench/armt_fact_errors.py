@@ -65,7 +65,8 @@ def main() -> None:
     for facts in (2, 4):
         for length, samples in plan:
             t0 = time.perf_counter()
-            r = retrieval_accuracy(decoding_logits, length, samples, num_facts=facts, segment_size=segment)
+            r = retrieval_accuracy(decoding_logits, length, samples, num_facts=facts, segment_size=segment,
+                                   segment_starts=armt.segment_starts)
             cell = {key: r[key] for key in ("num_facts", "length", "samples", "exact_match", "exact_match_ci95",
                                             "digit_accuracy", "wrong_digit_rate", "first_digit_other_fact_rate",
                                             "in_segment_samples", "in_segment_exact_match")}
@@ -73,6 +74,7 @@ def main() -> None:
             cells.append(cell)
             print(cell, flush=True)
     write_result("armt_fact_errors", {"armt_ckpt": repo_path(args.armt_ckpt), "segment_size": segment,
+                                      "segmentation": armt.segmentation,
                                       "quick": args.quick, "cells": cells, "plot": "armt_fact_errors.png"})
     _plot(cells, segment)
 

@@ -12,7 +12,8 @@ fine-tuned weights without the memory. ARMT rows also split the samples by wheth
 needed the memory, by how deep in the prompt the asked fact lies (a third panel plots exact
 match against that depth for the largest count) and by whether another fact's subject shares a
 word with the asked one; they count wrong answers per digit and first digits that start another
-fact's code (the digit that picks the fact; teacher forcing hides the rest). (bench/armt_fact_errors.py
+fact's code (the digit that picks the fact; teacher forcing hides the rest). ARMT cuts the prompts as
+the checkpoint was saved (`segmentation` in the JSON), and the splits use those segments. (bench/armt_fact_errors.py
 looks closer at those errors.) A last ARMT row
 (`armt_{n}_facts_near_miss`, the largest count if above 1) asks only near misses: every other fact's
 subject shares the asked subject's colour or object. Every exact match comes with its 95% Wilson
@@ -119,6 +120,7 @@ def main() -> None:
         for length, samples in sizes:
             t0 = time.perf_counter()
             r = retrieval_accuracy(model, length, samples, num_facts=facts, segment_size=segment_size,
+                                   segment_starts=armt.segment_starts if segment_size else None,
                                    shared_word=near_miss, filler_split=filler)
             r["wall_s"] = time.perf_counter() - t0
             rows[name].append(r)
@@ -126,11 +128,12 @@ def main() -> None:
     chance = {"exact_match": DIGIT_CHANCE ** CODE_DIGITS, "digit_accuracy": DIGIT_CHANCE}
     goal = goal_check(rows, longest_training_tokens(Path(args.armt_ckpt)))
     write_result("armt_retrieval", {"armt_ckpt": repo_path(args.armt_ckpt), "base": repo_path(args.base),
+                                    "segmentation": armt.segmentation,
                                     "num_facts": {name: run[2] for name, run in runs.items()},
                                     "filler_split": {name: run[4] for name, run in runs.items()},
                                     "quick": args.quick, "chance": chance, "results": rows, "goal": goal,
                                     "plot": "armt_retrieval.png"})
-    _plot(rows, chance, f"armt_{most}_facts", goal)
+    _plot(rows, chance, f"armt_{most}_facts", goal, armt.segmentation)
 
 
 def diagonal_decoding_logits(armt):
@@ -152,7 +155,8 @@ def goal_only(ckpt: Path, counts: list[int], samples: int, segmentation: str | N
     for facts in counts:
         t0 = time.perf_counter()
         r = retrieval_accuracy(diagonal_decoding_logits(armt), GOAL_FACTOR * longest, samples, num_facts=facts,
-                               segment_size=armt.armt.segment_size, progress=True)
+                               segment_size=armt.armt.segment_size, segment_starts=armt.segment_starts,
+                               progress=True)
         rows[f"armt_{facts}_facts"] = [{**r, "wall_s": time.perf_counter() - t0}]
         print(f"armt_{facts}_facts", r, flush=True)
     name = "armt_retrieval_goal" + ("" if segmentation == saved else f"_{segmentation}")
@@ -179,7 +183,8 @@ def split_facts(ckpt: Path, lengths: list[int], samples: int) -> None:
             armt.segmentation = segmentation
             t0 = time.perf_counter()
             r = retrieval_accuracy(diagonal_decoding_logits(armt), length, samples, num_facts=1,
-                                   segment_size=armt.armt.segment_size, split_facts=split, progress=True)
+                                   segment_size=armt.armt.segment_size, segment_starts=armt.segment_starts,
+                                   split_facts=split, progress=True)
             rows[name].append({**r, "segmentation": segmentation, "wall_s": time.perf_counter() - t0})
             print(name, length, {k: r[k] for k in ("exact_match", "code_split_samples", "code_split_exact_match",
                                                    "wrong_digit_rate")}, flush=True)
@@ -269,7 +274,8 @@ def _length_axis(ax, ylabel: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def _plot(rows: dict[str, list[dict]], chance: dict[str, float], depth_row: str, goal: dict | None) -> None:
+def _plot(rows: dict[str, list[dict]], chance: dict[str, float], depth_row: str, goal: dict | None,
+          segmentation: str) -> None:
     fig, axes = subplots(1, 3, figsize=(16, 4))
     for ax, metric in zip(axes, ("exact_match", "digit_accuracy")):
         for name, rs in rows.items():
@@ -293,7 +299,8 @@ def _plot(rows: dict[str, list[dict]], chance: dict[str, float], depth_row: str,
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle("haystack retrieval: ARMT (diagonal schedule) vs full attention")
+    fig.suptitle(f"haystack retrieval: ARMT (diagonal schedule, {SEGMENTATION_LABELS[segmentation]}) "
+                 "vs full attention")
     save_plot(fig, plot_path("armt_retrieval"), dpi=110)
 
 

@@ -97,4 +97,5 @@ def test_split_facts_scores_one_fact_as_drawn_and_split(tmp_path, monkeypatch):
         fixed, sentences = out["results"][name][0], out["results"][f"{name}_sentences"][0]
         assert (fixed["segmentation"], sentences["segmentation"]) == ("fixed", "sentences")
         assert sentences["samples"] == fixed["samples"] == 4 and sentences["split_facts"] == fixed["split_facts"]
+    assert out["results"]["split_fact_sentences"][0]["code_split_samples"] == 0  # counted on its own segments
     assert (tmp_path / "results" / "armt_split_facts.png").is_file()

@@ -225,6 +225,12 @@ def test_code_offset_and_split_by_boundary(tok):
     # segments of 8: the boundary at 16 splits codes starting at 13..18 (from " is" at 16 to the last digit at 16)
     split = haystack.code_split_by_boundary(np.arange(11, 21), 8)
     assert np.flatnonzero(split).tolist() == [2, 3, 4, 5, 6, 7] and split.shape == (10,)
+    # any cut: the grid's starts give the same split; a start at 15 splits only codes from 12 (last digit at
+    # 15) to 17 (" is" at 15)
+    grid = [np.arange(0, 24, 8)] * 10
+    assert (haystack.code_split_by_starts(np.arange(11, 21), grid) == split).all()
+    moved = haystack.code_split_by_starts(np.arange(11, 21), [np.array([0, 15])] * 10)
+    assert np.flatnonzero(moved).tolist() == [1, 2, 3, 4, 5, 6]
 
 
 def test_shift_facts_earlier_keeps_facts_and_length(tok):

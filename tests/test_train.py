@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxlongctx.armt.sentences import SentenceSegmenter
 from jaxlongctx.data.haystack import CODE_DIGITS, code_split_by_boundary, held_out_batch
 from jaxlongctx.data.tokenizer import BOS_ID, encode_corpus, load_default_tokenizer
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL
@@ -347,6 +348,12 @@ def test_retrieval_accuracy_splits_attention_from_memory():
     assert split["split_facts"] and split["code_split_samples"] == 8 and split["exact_match"] == 1.0
     with pytest.raises(ValueError, match="segment_size"):
         score(None, 380, split_facts=True)
+    # the splits follow the model's cut: sentence segments keep every shifted fact in one segment
+    segmenter = SentenceSegmenter(load_default_tokenizer())
+    by_sentences = score(None, 380, segment_size=128, split_facts=True,
+                         segment_starts=lambda ids, lengths: segmenter.row_starts(ids, lengths, 128))
+    assert by_sentences["code_split_samples"] == 0 and by_sentences["code_whole_samples"] == 8
+    assert by_sentences["in_segment_samples"] + by_sentences["from_memory_samples"] == 8
     windowed = score(128, 380, segment_size=128)  # sees only its own segment, like attention in ARMT
     assert windowed["in_segment_exact_match"] == 1.0 and windowed["from_memory_exact_match"] == 0.0
     # a prompt of whole segments: the answer is decoded in the window its last segment opened ...

@@ -261,6 +261,13 @@ def code_split_by_boundary(code_start: np.ndarray, segment_size: int) -> np.ndar
     return last_boundary >= code_start - TOKENS_BEFORE_CODE
 
 
+def code_split_by_starts(code_start: np.ndarray, starts: list[np.ndarray]) -> np.ndarray:
+    """:func:`code_split_by_boundary` for any cut: whether one of row b's segment ``starts[b]`` falls in
+    the span it names, for each row's code start ``code_start [B]`` (sentence segments as well as the grid)."""
+    return np.array([np.any((s >= c - TOKENS_BEFORE_CODE) & (s <= c + CODE_DIGITS - 1))
+                     for c, s in zip(np.asarray(code_start), starts)], bool)
+
+
 def shift_facts_earlier(sample: HaystackSample, shift: int, tokenizer: Tokenizer,
                         rng: np.random.Generator, filler_split: str = FILLER_SPLIT) -> HaystackSample:
     """The sample with every fact ``shift`` tokens earlier and the same length: ``shift`` filler

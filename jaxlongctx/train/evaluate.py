@@ -15,8 +15,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxlongctx.armt.generation import window_start
-from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, code_split_by_boundary, held_out_batch
+from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, code_split_by_starts, held_out_batch
 from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
 from jaxlongctx.model.attention import causal_prefill_attention
 from jaxlongctx.model.layers import DecoderLayer
@@ -93,7 +92,9 @@ def answer_inputs(ids: np.ndarray, answer_ids: np.ndarray) -> np.ndarray:
 def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: int, samples: int,
                        batch_size: int = 1, num_facts: int = 4, segment_size: int | None = None,
                        shared_word: bool = False, filler_split: str = FILLER_SPLIT,
-                       split_facts: bool = False, progress: bool = False) -> dict[str, float | None]:
+                       split_facts: bool = False, progress: bool = False,
+                       segment_starts: Callable[[np.ndarray, np.ndarray], list[np.ndarray]] | None = None
+                       ) -> dict[str, float | None]:
     """Greedy exact-match and per-digit accuracy on held-out haystack prompts of `length` tokens
     (teacher-forced argmax: all digits right under teacher forcing == greedy decode right).
 
@@ -103,7 +104,9 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     where the asked fact lies in the decoding window (the prompt's last segment, in view of every answer
     digit) and `from_memory_*` for the rest (facts only the memory can bring); `code_split_*` where a
     segment boundary separates the asked fact's subject from its code's last digit (the binding then
-    spans two segments: `code_split_by_boundary`) and `code_whole_*` for the rest; an empty split is None.
+    spans two segments: `code_split_by_starts`) and `code_whole_*` for the rest; an empty split is None.
+    The segments are those of `segment_starts(ids [B, P], lengths [B])`, each prompt row's segment starts
+    under the model's segmentation (`ARMTModel.segment_starts`); without it, the fixed grid of `segment_size`.
     `by_depth` splits the samples by the asked fact's relative position in the prompt, in quarters
     (depth 0 = the first token, far from the question). `shared_word_*` / `distinct_words_*` split
     them by whether another fact's subject shares the asked subject's colour or object.
@@ -122,7 +125,10 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     if split_facts and segment_size is None:
         raise ValueError("split_facts needs segment_size (the segments whose boundary splits the facts)")
     tokenizer = load_default_tokenizer()
-    hits, asked, shared, other_start, code_at = [], [], [], [], []
+    if segment_starts is None and segment_size is not None:
+        def segment_starts(ids, lengths):
+            return [np.arange(0, n, segment_size) for n in lengths]
+    hits, asked, shared, other_start, in_window, code_split = [], [], [], [], [], []
     bar = tqdm(total=samples, desc=f"retrieval at {length:,} tokens", unit="sample", disable=not progress)
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
@@ -133,7 +139,10 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         hits.append(pred == raw["answer_ids"])
         asked.append(raw["fact_positions"][np.arange(b), raw["target_fact"]])
         shared.append(raw["shares_word"])
-        code_at.append(raw["code_start"])
+        if segment_starts is not None:
+            cuts = segment_starts(raw["ids"], np.full(b, length))  # B x [nS]
+            in_window.append(asked[-1] >= np.array([c[-1] for c in cuts]))  # the window: the last segment
+            code_split.append(code_split_by_starts(raw["code_start"], cuts))
         starts = pred[:, None, 0] == raw["fact_answer_ids"][:, :, 0]  # B F: first digit starts fact f's code
         starts[np.arange(b), raw["target_fact"]] = False
         other_start.append(starts.any(axis=1) & (pred[:, 0] != raw["answer_ids"][:, 0]))
@@ -145,9 +154,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
            "by_depth": _by_depth(hit, fact_at / length), "wrong_digit_rate": (1.0 - hit.mean(axis=0)).tolist(),
            "first_digit_other_fact_rate": float(np.concatenate(other_start).mean())}
     splits = [("shared_word", shared), ("distinct_words", ~shared)]
-    if segment_size is not None:
-        where = fact_at >= window_start(length, segment_size)  # in the decoding window
-        split = code_split_by_boundary(np.concatenate(code_at), segment_size)
+    if segment_starts is not None:
+        where, split = np.concatenate(in_window), np.concatenate(code_split)  # N: in the decoding window, N
         splits += [("in_segment", where), ("from_memory", ~where), ("code_split", split), ("code_whole", ~split)]
     for name, rows in splits:
         out.update({f"{name}_{key}": value for key, value in _scores(hit[rows]).items()})
