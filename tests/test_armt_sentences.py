@@ -63,6 +63,10 @@ def test_starts_keep_short_sentences_whole_and_cut_long_ones():
     assert np.flatnonzero(seg.may_start(row)).tolist() == [3, 7, 12, 18, 30]
     for k in range(1, len(starts)):  # a prefix that ends at a start is cut as the whole row before it
         assert seg.starts(row[:starts[k]], 8).tolist() == starts[:k].tolist()
+    # a stream's cut: decided once S + 1 tokens are in (or the row ends), the same as the whole row's
+    assert [seg.first_segment_length(row[:t], 8, final=False) for t in (0, 7, 8, 9)] == [0, 0, 0, 7]
+    assert seg.first_segment_length(row[:5], 8, final=True) == 5 and seg.first_segment_length(row[:0], 8, True) == 0
+    assert seg.first_segment_length(row[18:], 8, final=False) == 8  # the long sentence: cut where full
     # a line break ends a sentence too; a period inside a word ("a.b": no space after) does not
     words = np.array([11, 13, NEWLINE, 6, 8, PERIOD, 10, 13, 15, PERIOD, 17])
     assert np.flatnonzero(seg.may_start(words)).tolist() == [3, 10]
@@ -94,7 +98,7 @@ def test_segment_at_places_every_token_rejects_bad_starts_and_pads():
             segment_at(ids[:1], np.array([20]), [np.array(starts)], 8)
 
 
-def test_sentence_segments_in_a_batch_schedules_and_streaming():
+def test_sentence_segments_in_a_batch_and_both_schedules():
     armt = _sentence_armt()
     rows = [_text([3, 4, 2, 7, 5, 6]), _text([6, 6, 6, 2])]  # 27 and 20 tokens, cut differently
     ids = np.zeros((2, 27), np.int64)
@@ -112,10 +116,28 @@ def test_sentence_segments_in_a_batch_schedules_and_streaming():
         armt.segmentation = "sentences"
         assert float(jnp.abs(alone - fixed).max()) > 1e-2
     assert float(jnp.abs(diagonal[~mask]).max()) == 0.0
-    with pytest.raises(ValueError, match="streaming"):
-        armt.init_state(1)
     with pytest.raises(ValueError, match="segmentation"):
         armt.segmentation = "words"
+
+
+@pytest.mark.parametrize("schedule", ["diagonal", "sequential"])
+def test_streams_cut_sentence_segments_as_the_one_shot_call(schedule):
+    armt = _sentence_armt()
+    first, second, other = _text([3, 4, 2, 7, 5, 6]), _text([2, 6, 3]), _text([6, 6, 6, 2, 12, 6])  # 27, 11, 38
+    ids = np.stack([np.concatenate([first, second]), other])  # row 0: two documents back to back
+    state, outs, at = armt.init_state(2, schedule), [[], []], 0
+    for size in (1, 9, 4, 13, 5, 6):  # cuts are often decided mid-chunk; row 0's first document ends at 27
+        state, out = armt.feed(state, ids[:, at:at + size], end_document=[at + size == 27, False])
+        at += size
+        for r in range(2):
+            outs[r].append(out[r])
+    state, out = armt.flush(state)
+    for r, docs in enumerate([(first, second), (other,)]):
+        got = jnp.concatenate(outs[r] + [out[r]])
+        expected = jnp.concatenate([armt(d[None], schedule="sequential")[0] for d in docs])
+        assert got.shape == expected.shape and float(jnp.abs(got - expected).max()) <= 1e-4
+    armt.segmentation = "fixed"  # the grid's stream gives other logits
+    assert float(jnp.abs(armt(other[None])[0] - expected).max()) > 1e-2
 
 
 def test_sentence_generation_equals_repeated_generation_logits():

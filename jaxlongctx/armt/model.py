@@ -145,6 +145,14 @@ class ARMTModel:
             return [np.arange(0, n, S) for n in lengths]
         return self._segmenter.row_starts(ids, lengths, S)
 
+    def next_segment_length(self, tokens: np.ndarray, final: bool) -> int:
+        """Tokens of the next segment a stream cuts from its buffered `tokens [T]` (`final`: the document
+        ends after them), as `segment_starts` would cut the whole row; 0 while undecided or empty."""
+        S = self.armt.segment_size
+        if self._segmenter is None:
+            return S if len(tokens) >= S else (len(tokens) if final else 0)
+        return self._segmenter.first_segment_length(tokens, S, final)
+
     def segments(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[Segments, np.ndarray | None]:
         """Left-aligned rows `ids [B, T]` with `lengths [B]` cut by `segmentation`: the segments and every
         token's slot `[B, T]` in its row's flattened segments (-1 past the row's length; None on the fixed
@@ -175,9 +183,7 @@ class ARMTModel:
 
     # --- streaming ------------------------------------------------------------------------------
     def init_state(self, batch: int = 1, schedule: str = "diagonal") -> stream.ARMTState:
-        """Empty streaming state for `batch` independent rows (streams are cut on the fixed grid)."""
-        if self._segmenter is not None:
-            raise ValueError("streaming cuts segments on the fixed grid: set segmentation = 'fixed' first")
+        """Empty streaming state for `batch` independent rows (streams are cut as `segmentation` cuts)."""
         return stream.init_state(self, check_positive_int(batch, "batch"), schedule)
 
     def feed(self, state: stream.ARMTState, ids: Any, end_document: Any = False

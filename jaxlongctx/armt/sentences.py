@@ -49,14 +49,27 @@ class SentenceSegmenter:
         """Segment starts `[nS]` for the tokens `row [T]` (T >= 1): 0, then greedily the last allowed
         start within a segment's reach (no nearer than `min_fill * S`), else a full segment."""
         ok, t, p, out = self.may_start(row), len(row), 0, []
-        nearest = max(1, int(segment_size * self.min_fill))
         while p < t:
             out.append(p)
             if t - p <= segment_size:
                 break
-            allowed = np.flatnonzero(ok[p + nearest:p + segment_size + 1])
-            p = p + nearest + allowed[-1] if len(allowed) else p + segment_size
+            p += self._next_cut(ok[p:p + segment_size + 1], segment_size)
         return np.asarray(out, np.int64)
+
+    def first_segment_length(self, tokens: np.ndarray, segment_size: int, final: bool) -> int:
+        """Tokens of the first segment `starts` cuts from `tokens [T]`, as soon as they decide it: its
+        cut needs S + 1 tokens (the next token says whether a sentence ended), unless `final` (the
+        tokens end the row). 0 while undecided or empty. Streaming cuts with it, token by token."""
+        if len(tokens) > segment_size:
+            return self._next_cut(self.may_start(tokens[:segment_size + 1]), segment_size)
+        return len(tokens) if final else 0
+
+    def _next_cut(self, ok: np.ndarray, segment_size: int) -> int:
+        """Length of a segment whose tokens' `may_start` flags are `ok [S + 1]` (the segment and the
+        token after it): up to the last allowed start from `min_fill * S` on, else S."""
+        nearest = max(1, int(segment_size * self.min_fill))
+        allowed = np.flatnonzero(ok[nearest:segment_size + 1])
+        return nearest + int(allowed[-1]) if len(allowed) else segment_size
 
 
 def make_segmenter(segmentation: str, tokenizer: Any) -> SentenceSegmenter | None:

@@ -1,7 +1,9 @@
 """Streaming ARMT: feed chunks of any size, several documents back to back, one pipeline.
 
-Tokens are buffered per row until a segment is full (a partial segment is never processed and
-rolled back). Ready segments run through the chosen schedule at once; with the diagonal schedule
+Tokens are buffered per row until the next segment is decided (`ARMTModel.next_segment_length`: a
+full segment on the fixed grid; with sentence segments the cut after the last sentence end that
+fits, known one token later), so a stream is cut exactly as the one-shot call cuts the whole row (a
+partial segment is never processed and rolled back). Ready segments run through the chosen schedule at once; with the diagonal schedule
 they stay in flight in the pipeline between calls, so logits come out of `feed` only when their
 segment leaves the last layer (concatenated over `feed`s and the final `flush` they equal the
 one-shot call). Ending a document (`end_document`) turns the row's partial segment into a short
@@ -75,9 +77,9 @@ def feed(model: Any, params: Any, state: ARMTState, ids: np.ndarray | None, end_
     ready: list[list[tuple[np.ndarray, bool]]] = [[] for _ in range(b)]
     for r in range(b):
         buf = buffers[r] if ids is None else np.concatenate([buffers[r], ids[r]])
-        while buf.size >= S or (ends[r] and buf.size):
-            ready[r].append((buf[:S], bool(pending[r])))
-            pending[r], buf = False, buf[S:]
+        while n := model.next_segment_length(buf, bool(ends[r])):
+            ready[r].append((buf[:n], bool(pending[r])))
+            pending[r], buf = False, buf[n:]
         pending[r] |= ends[r]
         buffers[r] = buf
     k = max(len(x) for x in ready)
