@@ -22,7 +22,6 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
-from jaxlongctx.armt.segments import segment  # noqa: E402
 from jaxlongctx.data.haystack import eval_seed, make_sample  # noqa: E402
 from jaxlongctx.data.tokenizer import load_default_tokenizer  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL  # noqa: E402
@@ -30,8 +29,9 @@ from jaxlongctx.loading import load  # noqa: E402
 
 
 def state_norms(armt, ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Frobenius norms of A and z of every layer after each segment of ids `[1, T]`: `[nS, L]` each."""
-    segs = segment(ids, np.array([ids.shape[1]]), armt.armt.segment_size)
+    """Frobenius norms of A and z of every layer after each segment of ids `[1, T]` (cut as the model
+    cuts, `armt.segmentation`): `[nS, L]` each."""
+    segs = armt.segments(ids, np.array([ids.shape[1]]))[0]
     state, a_norms, z_norms = None, [], []
     for i in tqdm(range(segs.count), desc="segments", unit="seg"):
         state, _ = armt.run_segments(armt.params, segs[i:i + 1], "sequential", state)
@@ -51,10 +51,10 @@ def main() -> None:
     sample = make_sample(eval_seed(0), tokens, load_default_tokenizer(), num_facts=4)
     t0 = time.perf_counter()
     norms = state_norms(armt, sample.ids[None].astype(np.int32))
-    S = armt.armt.segment_size
-    ends = [S * (i + 1) for i in range(len(norms["A"]))]
+    ends = [int(e) for e in armt.segment_starts(sample.ids[None], np.array([tokens]))[0][1:]] + [tokens]
     write_result("armt_state_growth", {
-        "armt_ckpt": repo_path(args.armt_ckpt), "tokens": tokens, "segment_size": S, "quick": args.quick,
+        "armt_ckpt": repo_path(args.armt_ckpt), "tokens": tokens, "segment_size": armt.armt.segment_size,
+        "segmentation": armt.segmentation, "quick": args.quick,
         "segment_end_tokens": ends, "A_norm_per_layer": norms["A"].tolist(), "z_norm_per_layer": norms["z"].tolist(),
         "wall_s": time.perf_counter() - t0, "plot": "armt_state_growth.png"})
     fig, axes = subplots(1, 2, figsize=(11, 4))
