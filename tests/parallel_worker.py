@@ -27,6 +27,7 @@ from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.attention import attention
 from jaxlongctx.model.llama import forward_hidden, positions_from_mask
 from jaxlongctx.parallel import cache_sharding, make_mesh, put_batch, shard_model
+from test_armt_utils import TinyTokenizer
 
 # GQA (2 q heads per kv head) that splits over tp up to 8; biases check "bias added once".
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=16,
@@ -270,9 +271,12 @@ def run_armt() -> dict[str, Any]:
     mask[1, 20:] = mask[3, :5] = False
     base = make_model()
 
-    def armt(model: jaxlongctx.Model):
+    def armt(model: jaxlongctx.Model, segmentation: str = "fixed"):
         armt = model.with_armt(armt_cfg, jax.random.key(0)).randomize_memory_params(jax.random.key(1), 0.5)
         armt.cpu_execution = PIPELINE_ALWAYS  # these short inputs would otherwise run in sequential order
+        if segmentation == "sentences":  # every 7th id ends a sentence, so the rows are cut apart
+            armt.tokenizer = TinyTokenizer(CFG.vocab_size, periods=tuple(range(3, CFG.vocab_size, 7)))
+            armt.segmentation = segmentation
         return armt
 
     def stream(model) -> np.ndarray:  # chunks of 10 tokens, then a flush: logits of row 0
@@ -287,6 +291,9 @@ def run_armt() -> dict[str, Any]:
     want = {s: plain.run(ids, mask, schedule=s) for s in ("sequential", "diagonal")}
     want_tokens = jaxlongctx.generate(plain, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
     want_stream = stream(plain)
+    sentences = armt(base, "sentences")
+    want_sentences = (sentences(ids, mask), jaxlongctx.generate(sentences, ids, NEW_TOKENS, attention_mask=mask,
+                                                                eos_id=-1), stream(sentences))
     out: dict[str, Any] = {}
     for tp, dp in MESHES[1:]:
         model = armt(shard_model(base, make_mesh(tp=tp, dp=dp)))
@@ -300,6 +307,11 @@ def run_armt() -> dict[str, Any]:
         row["tokens_equal"] = bool((jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
                                     == want_tokens).all())
         row["stream"] = float(np.abs(stream(model) - want_stream).max())
+        model = armt(shard_model(base, make_mesh(tp=tp, dp=dp)), "sentences")  # segments cut after sentences
+        row["sentences_diagonal"] = float(np.abs(np.asarray(model(ids, mask)) - np.asarray(want_sentences[0])).max())
+        row["sentences_tokens_equal"] = bool((jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask,
+                                                                  eos_id=-1) == want_sentences[1]).all())
+        row["sentences_stream"] = float(np.abs(stream(model) - want_sentences[2]).max())
         out[f"dp{dp}xtp{tp}"] = row
     with tempfile.TemporaryDirectory() as tmp:  # an ARMT checkpoint restored straight into its shards
         loaded = jaxlongctx.load(plain.save(Path(tmp) / "armt"), mesh=make_mesh(tp=2, dp=2))
@@ -307,6 +319,8 @@ def run_armt() -> dict[str, Any]:
         out["loaded_2x2"] = {"wv_spec": str(loaded.memory.wv[...].sharding.spec),
                              "wq_spec": str(loaded.base.module.layers.wq[...].sharding.spec),
                              "diagonal": float(np.abs(np.asarray(logits) - np.asarray(want["diagonal"][0])).max())}
+    out["sentences_differ_from_grid"] = float(np.abs(np.asarray(want_sentences[0]) - np.asarray(want["diagonal"][0])
+                                                     ).max())
     return out
 
 

@@ -16,23 +16,9 @@ from jaxlongctx.data.tokenizer import load_default_tokenizer
 from jaxlongctx.demo import ARMT_MODEL
 from jaxlongctx.loading import load
 from jaxlongctx.train.armt_finetune import answer_logits, haystack_batch, retrieval_loss
-from test_armt_utils import VOCAB, make_armt
+from test_armt_utils import NEWLINE, PERIOD, VOCAB, TinyTokenizer, make_armt
 
 RNG = np.random.default_rng(5)
-PERIOD, NEWLINE = 3, 4  # token texts of the tiny vocabulary below
-
-
-class TinyTokenizer:
-    """A `tokenizers`-like vocabulary of VOCAB ids: id 3 is ".", id 4 a line break, odd ids " w<i>"
-    (start with a space), the rest "w<i>"."""
-
-    def get_vocab_size(self) -> int:
-        return VOCAB
-
-    def decode(self, ids: list[int]) -> str:
-        (i,) = ids
-        return {PERIOD: ".", NEWLINE: "\n"}.get(i, f" w{i}" if i % 2 else f"w{i}")
-
 
 def _sentence_armt():
     armt = make_armt(3, 8)  # segment size 8

@@ -15,6 +15,24 @@ from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.model import Model
 
 VOCAB = 97
+PERIOD, NEWLINE = 3, 4  # token texts of TinyTokenizer
+
+
+class TinyTokenizer:
+    """A `tokenizers`-like vocabulary of `vocab` ids for sentence segmentation: the ids in `periods`
+    are ".", id 4 a line break, other odd ids " w<i>" (start with a space), the rest "w<i>"."""
+
+    def __init__(self, vocab: int = VOCAB, periods: tuple[int, ...] = (PERIOD,)):
+        self.vocab, self.periods = vocab, frozenset(periods)
+
+    def get_vocab_size(self) -> int:
+        return self.vocab
+
+    def decode(self, ids: list[int]) -> str:
+        (i,) = ids
+        if i in self.periods:
+            return "."
+        return "\n" if i == NEWLINE else (f" w{i}" if i % 2 else f"w{i}")
 
 
 def tiny_config(layers: int = 3) -> ModelConfig:

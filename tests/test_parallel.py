@@ -112,20 +112,22 @@ def test_pq_kernel_runs_per_kv_head_shard(meshes, backend):
 
 def test_armt_on_meshes_matches_one_device(tmp_path):
     """Both schedules, streaming and generation with random memory weights and a padded batch, on
-    every mesh; W_mv and the memory state A split their value columns over tp and rows over dp."""
+    every mesh, on the grid and with sentence segments; W_mv and the memory state A split their value columns over tp and rows over dp."""
     out = tmp_path / "armt.json"
     proc = subprocess.run([sys.executable, str(WORKER), "armt", str(out)], env=_worker_env(8),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out.read_text())
-    assert sorted(got) == sorted([f"dp{dp}xtp{tp}" for tp, dp in MESHES[1:]] + ["loaded_2x2"])
+    assert sorted(got) == sorted([f"dp{dp}xtp{tp}" for tp, dp in MESHES[1:]] + ["loaded_2x2",
+                                                                                  "sentences_differ_from_grid"])
+    assert got.pop("sentences_differ_from_grid") > 1e-2  # the sentence cut is not the grid's
     for name, m in got.items():
         if name == "loaded_2x2":
             continue
-        for key in ("sequential", "diagonal", "stream"):
+        for key in ("sequential", "diagonal", "stream", "sentences_diagonal", "sentences_stream"):
             assert m[key] <= TOLERANCE, (name, key, m)
         assert m["sequential_A_rel"] <= 1e-5 and m["diagonal_A_rel"] <= 1e-5, (name, m)
-        assert m["tokens_equal"], name
+        assert m["tokens_equal"] and m["sentences_tokens_equal"], name
         assert m["wv_spec"] == "P(None, None, 'tp')"
         assert m["A_spec"] == ("P(None, 'dp', None, 'tp')" if name.startswith("dp2") else "P(None, None, None, 'tp')")
     loaded = got["loaded_2x2"]
