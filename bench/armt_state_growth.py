@@ -30,14 +30,14 @@ from jaxlongctx.loading import load  # noqa: E402
 
 def state_norms(armt, ids: np.ndarray) -> dict[str, np.ndarray]:
     """Frobenius norms of A and z of every layer after each segment of ids `[1, T]` (cut as the model
-    cuts, `armt.segmentation`): `[nS, L]` each."""
+    cuts, `armt.segmentation`): `[nS, L]` each, and where each segment ends (`ends [nS]`, tokens read)."""
     segs = armt.segments(ids, np.array([ids.shape[1]]))[0]
     state, a_norms, z_norms = None, [], []
     for i in tqdm(range(segs.count), desc="segments", unit="seg"):
         state, _ = armt.run_segments(armt.params, segs[i:i + 1], "sequential", state)
         a_norms.append(np.linalg.norm(np.asarray(state.A)[:, 0], axis=(1, 2)))
         z_norms.append(np.linalg.norm(np.asarray(state.z)[:, 0], axis=1))
-    return {"A": np.stack(a_norms), "z": np.stack(z_norms)}
+    return {"A": np.stack(a_norms), "z": np.stack(z_norms), "ends": np.cumsum(segs.n[:, 0])}
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
     sample = make_sample(eval_seed(0), tokens, load_default_tokenizer(), num_facts=4)
     t0 = time.perf_counter()
     norms = state_norms(armt, sample.ids[None].astype(np.int32))
-    ends = [int(e) for e in armt.segment_starts(sample.ids[None], np.array([tokens]))[0][1:]] + [tokens]
+    ends = norms["ends"].tolist()
     write_result("armt_state_growth", {
         "armt_ckpt": repo_path(args.armt_ckpt), "tokens": tokens, "segment_size": armt.armt.segment_size,
         "segmentation": armt.segmentation, "quick": args.quick,

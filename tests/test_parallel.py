@@ -112,7 +112,8 @@ def test_pq_kernel_runs_per_kv_head_shard(meshes, backend):
 
 def test_armt_on_meshes_matches_one_device(tmp_path):
     """Both schedules, streaming and generation with random memory weights and a padded batch, on
-    every mesh, on the grid and with sentence segments; W_mv and the memory state A split their value columns over tp and rows over dp."""
+    every mesh, on the grid and with sentence segments; W_mv and the memory state A split their value
+    columns over tp and rows over dp."""
     out = tmp_path / "armt.json"
     proc = subprocess.run([sys.executable, str(WORKER), "armt", str(out)], env=_worker_env(8),
                           capture_output=True, text=True, timeout=600)

@@ -18,7 +18,7 @@ from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.diagonal import CPUExecution, diagonal_forward
 from jaxlongctx.armt.generation import generate_ids, generation_logits
 from jaxlongctx.armt.params import MemoryParams
-from jaxlongctx.armt.segments import Segments, compact, segment, segment_at, token_rows
+from jaxlongctx.armt.segments import Segments, compact, grid_starts, segment, segment_at, token_rows
 from jaxlongctx.armt.sentences import SentenceSegmenter, make_segmenter
 from jaxlongctx.armt.sequential import MemoryState, sequential_forward
 from jaxlongctx.checkpoint import (CheckpointError, atomic_directory, load_module, read_metadata, save_params,
@@ -140,10 +140,9 @@ class ARMTModel:
 
     def segment_starts(self, ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
         """Each left-aligned row's segment starts `[nS_b]` (rows `ids [B, T]`, `lengths [B]`; 0 -> none)."""
-        S = self.armt.segment_size
         if self._segmenter is None:
-            return [np.arange(0, n, S) for n in lengths]
-        return self._segmenter.row_starts(ids, lengths, S)
+            return grid_starts(lengths, self.armt.segment_size)
+        return self._segmenter.row_starts(ids, lengths, self.armt.segment_size)
 
     def next_segment_length(self, tokens: np.ndarray, final: bool) -> int:
         """Tokens of the next segment a stream cuts from its buffered `tokens [T]` (`final`: the document

@@ -44,6 +44,11 @@ def compact(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     return np.take_along_axis(ids, order, axis=1), mask.sum(axis=1).astype(np.int32), order
 
 
+def grid_starts(lengths: np.ndarray, segment_size: int) -> list[np.ndarray]:
+    """Each row's segment starts `[nS_b]` on the fixed grid, for rows of `lengths [B]` tokens (0 -> none)."""
+    return [np.arange(0, n, segment_size) for n in lengths]
+
+
 def segment(ids: np.ndarray, lengths: np.ndarray, segment_size: int) -> Segments:
     """Cut left-aligned rows `ids [B, T]` with `lengths [B]` into segments of `segment_size` tokens."""
     b, t = ids.shape

@@ -3,8 +3,8 @@
 Tokens are buffered per row until the next segment is decided (`ARMTModel.next_segment_length`: a
 full segment on the fixed grid; with sentence segments the cut after the last sentence end that
 fits, known one token later), so a stream is cut exactly as the one-shot call cuts the whole row (a
-partial segment is never processed and rolled back). Ready segments run through the chosen schedule at once; with the diagonal schedule
-they stay in flight in the pipeline between calls, so logits come out of `feed` only when their
+partial segment is never processed and rolled back). Ready segments run through the chosen schedule
+at once; with the diagonal schedule they stay in flight in the pipeline between calls, so logits come out of `feed` only when their
 segment leaves the last layer (concatenated over `feed`s and the final `flush` they equal the
 one-shot call). Ending a document (`end_document`) turns the row's partial segment into a short
 segment and marks the row's next segment as the first of a new document: it starts from zero memory

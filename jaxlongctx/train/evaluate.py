@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxlongctx.armt.segments import grid_starts
 from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, code_split_by_starts, held_out_batch
 from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
 from jaxlongctx.model.attention import causal_prefill_attention
@@ -126,8 +127,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         raise ValueError("split_facts needs segment_size (the segments whose boundary splits the facts)")
     tokenizer = load_default_tokenizer()
     if segment_starts is None and segment_size is not None:
-        def segment_starts(ids, lengths):
-            return [np.arange(0, n, segment_size) for n in lengths]
+        def segment_starts(ids, lengths):  # the fixed grid
+            return grid_starts(lengths, segment_size)
     hits, asked, shared, other_start, in_window, code_split = [], [], [], [], [], []
     bar = tqdm(total=samples, desc=f"retrieval at {length:,} tokens", unit="sample", disable=not progress)
     for i in range(0, samples, batch_size):
