@@ -146,7 +146,9 @@ def test_sentence_generation_equals_repeated_generation_logits():
         assert got["diagonal"][r, n:].tolist() == seq[len(row):]
     # rows whose windows open at different places in one batch: each row as if alone
     pair = np.stack([_text([3, 4, 5, 6, 8]), _text([7, 7, 8, 4])])  # 22-token prompts: windows at 18 and 14
-    assert window_starts(armt, pair, np.array([22, 22])).tolist() == [18, 14]
+    opens, before = window_starts(armt, pair, np.array([22, 22]))
+    assert opens.tolist() == [18, 14]
+    assert [b.tolist() for b in before] == [c.tolist() for c in armt.segment_starts(pair, opens)]  # one cut
     both = armt.generation_logits(pair, 22)
     for r in range(2):
         assert float(jnp.abs(both[r] - armt.generation_logits(pair[r:r + 1], 22)[0]).max()) <= 1e-4

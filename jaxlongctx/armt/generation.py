@@ -110,19 +110,22 @@ def window_start(prompt_length: Any, segment_size: int) -> Any:
     return (prompt_length - 1) // segment_size * segment_size
 
 
-def window_starts(model: Any, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """`[B]`: where each left-aligned prompt row's window opens, the start of its last segment under
-    the model's segmentation (rows `ids [B, T]`, `lengths [B]` >= 1)."""
+def window_starts(model: Any, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, list[np.ndarray] | None]:
+    """Where each left-aligned prompt row's window opens `[B]`, the start of its last segment under the
+    model's segmentation (rows `ids [B, T]`, `lengths [B]` >= 1), and each row's segment starts before
+    it (`model.segments(ids, opens, before)` then cuts the prompts once; None on the fixed grid)."""
     if model.segmentation == "fixed":
-        return window_start(lengths, model.armt.segment_size)
-    return np.array([starts[-1] for starts in model.segment_starts(ids, lengths)], np.int64)
+        return window_start(lengths, model.armt.segment_size), None
+    cuts = model.segment_starts(ids, lengths)
+    return np.array([starts[-1] for starts in cuts], np.int64), [starts[:-1] for starts in cuts]
 
 
-def _prompt_state(model: Any, ids: np.ndarray, lengths: np.ndarray, schedule: str) -> MemoryState:
-    """Memory after the segments of left-aligned rows `ids [B, T]` cut at `lengths [B]` (segment starts)."""
-    if lengths.max() == 0:
+def _prompt_state(model: Any, ids: np.ndarray, opens: np.ndarray, before: list[np.ndarray] | None,
+                  schedule: str) -> MemoryState:
+    """Memory after the segments of left-aligned rows `ids [B, T]` ahead of their windows (`window_starts`)."""
+    if opens.max() == 0:
         return zero_state(model, ids.shape[0])
-    state, _ = model.run_segments(model.params, model.segments(ids, lengths)[0], schedule)
+    state, _ = model.run_segments(model.params, model.segments(ids, opens, before)[0], schedule)
     return state
 
 
@@ -145,10 +148,10 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
             or not 1 <= prompt_length <= t:
         raise ValueError(f"prompt_length must be an integer in [1, {t}] (the ids' length), got {prompt_length!r}")
     S, V = model.armt.segment_size, model.config.vocab_size
-    start = window_starts(model, ids, np.full(b, int(prompt_length)))  # B
+    start, before = window_starts(model, ids, np.full(b, int(prompt_length)))  # B
     stop = np.minimum(t, start + 2 * S)
     if start.max():
-        segs, slots = model.segments(ids, start)
+        segs, slots = model.segments(ids, start, before)
         state, prefix = model.run_segments(model.params, segs, schedule)  # nS B S V
         prefix = token_rows(prefix, slots, int(start.max()))  # B max(start) V
     else:
@@ -190,11 +193,11 @@ def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: floa
     req = Request.parse(model.config, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, eos_id=eos_id, attention_mask=attention_mask)
     ids_c, lengths, _ = compact(req.ids, req.mask)
-    start = window_starts(model, ids_c, lengths)  # B (every row has a real token)
+    start, before = window_starts(model, ids_c, lengths)  # B (every row has a real token)
     params, mesh = model.params, model.base.mesh
     prefill, step, commit = _compiled(model, *req.static_key)
     t0 = time.perf_counter()
-    state = _prompt_state(model, ids_c, start, schedule)
+    state = _prompt_state(model, ids_c, start, before, schedule)
     window = _window_rows(ids_c, start, lengths, 2 * S)
     logits, cache = jax.block_until_ready(
         prefill(params, state, put_batch(window, mesh), put_batch(lengths - start, mesh)))

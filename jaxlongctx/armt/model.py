@@ -152,13 +152,16 @@ class ARMTModel:
             return S if len(tokens) >= S else (len(tokens) if final else 0)
         return self._segmenter.first_segment_length(tokens, S, final)
 
-    def segments(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[Segments, np.ndarray | None]:
+    def segments(self, ids: np.ndarray, lengths: np.ndarray, starts: list[np.ndarray] | None = None
+                 ) -> tuple[Segments, np.ndarray | None]:
         """Left-aligned rows `ids [B, T]` with `lengths [B]` cut by `segmentation`: the segments and every
         token's slot `[B, T]` in its row's flattened segments (-1 past the row's length; None on the fixed
-        grid, where a token's slot is its position). `token_rows` maps segment outputs back to tokens."""
+        grid, where a token's slot is its position). `token_rows` maps segment outputs back to tokens.
+        `starts` passes the rows' `segment_starts` when the caller already cut them."""
         if self._segmenter is None:
             return segment(ids, lengths, self.armt.segment_size), None
-        return segment_at(ids, lengths, self.segment_starts(ids, lengths), self.armt.segment_size)
+        starts = self.segment_starts(ids, lengths) if starts is None else starts
+        return segment_at(ids, lengths, starts, self.armt.segment_size)
 
     def run(self, ids: Any, attention_mask: Any = None, schedule: str = "diagonal"
             ) -> tuple[jnp.ndarray, MemoryState]:

@@ -251,21 +251,27 @@ def asked_code_start(sample: HaystackSample, tokenizer: Tokenizer) -> int:
     return int(sample.fact_positions[asked]) + code_offset(sample, asked, tokenizer)
 
 
-def code_split_by_boundary(code_start: np.ndarray, segment_size: int) -> np.ndarray:
-    """Whether a segment boundary separates a fact's subject from its code's last digit, for codes whose
-    first digit is at ``code_start`` (any shape): a segment starts at a token from the one after the
-    subject (" is", :data:`TOKENS_BEFORE_CODE` before the code) to the code's last digit
-    ("... blue box is 47" | "11.")."""
+def code_split_span(code_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The positions where a segment start separates a fact's subject from its code's last digit, for
+    codes whose first digit is at ``code_start`` (any shape): from the token after the subject (" is",
+    :data:`TOKENS_BEFORE_CODE` before the code) to the code's last digit ("... blue box is 47" | "11.").
+    Returns the first and last such position."""
     code_start = np.asarray(code_start)
-    last_boundary = (code_start + CODE_DIGITS - 1) // segment_size * segment_size
-    return last_boundary >= code_start - TOKENS_BEFORE_CODE
+    return code_start - TOKENS_BEFORE_CODE, code_start + CODE_DIGITS - 1
+
+
+def code_split_by_boundary(code_start: np.ndarray, segment_size: int) -> np.ndarray:
+    """Whether a boundary of the fixed ``segment_size`` grid falls in the :func:`code_split_span` of codes
+    starting at ``code_start`` (any shape)."""
+    first, last = code_split_span(code_start)
+    return last // segment_size * segment_size >= first
 
 
 def code_split_by_starts(code_start: np.ndarray, starts: list[np.ndarray]) -> np.ndarray:
-    """:func:`code_split_by_boundary` for any cut: whether one of row b's segment ``starts[b]`` falls in
-    the span it names, for each row's code start ``code_start [B]`` (sentence segments as well as the grid)."""
-    return np.array([np.any((s >= c - TOKENS_BEFORE_CODE) & (s <= c + CODE_DIGITS - 1))
-                     for c, s in zip(np.asarray(code_start), starts)], bool)
+    """Whether one of row b's segment ``starts[b]`` falls in the :func:`code_split_span` of its code
+    starting at ``code_start [B]``: any cut, sentence segments as well as the grid."""
+    spans = zip(starts, *code_split_span(code_start))
+    return np.array([np.any((s >= first) & (s <= last)) for s, first, last in spans], bool)
 
 
 def shift_facts_earlier(sample: HaystackSample, shift: int, tokenizer: Tokenizer,
