@@ -375,3 +375,18 @@ def test_held_out_sample_is_the_same_in_any_batch(tok):
     assert len(np.unique(whole["ids"], axis=0)) == 5
     with pytest.raises(ValueError, match="empty"):
         haystack.held_out_batch(range(0), 512, tok)
+
+
+def test_held_out_samples_at_a_target_depth_keep_their_codes_and_move_the_asked_fact(tok):
+    """`target_depth` moves only the facts: sample i keeps its subjects and codes, and its asked fact
+    lands near that share of the prompt (at the filler's nearest sentence end: a long sentence-free
+    stretch, such as a table, can move it by a few percent of a short prompt)."""
+    near, far = (haystack.held_out_batch(range(6), 2048, tok, num_facts=3, target_depth=d) for d in (0.9, 0.1))
+    np.testing.assert_array_equal(near["answer_ids"], far["answer_ids"])
+    np.testing.assert_array_equal(np.sort(near["fact_answer_ids"], axis=1), np.sort(far["fact_answer_ids"], axis=1))
+    for batch, depth in ((near, 0.9), (far, 0.1)):
+        asked = batch["fact_positions"][np.arange(6), batch["target_fact"]] / 2048
+        off = np.abs(asked - depth)
+        assert np.median(off) < 0.03 and off.max() < 0.15, asked
+    with pytest.raises(ValueError, match="target_depth"):
+        haystack.held_out_batch(range(1), 512, tok, num_facts=1, split_segment=128, target_depth=0.5)

@@ -326,11 +326,13 @@ def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, 
 
 def held_out_batch(indices: range, length_tokens: int, tokenizer: Tokenizer, num_facts: int = 4,
                    shared_word: bool = False, filler_split: str = FILLER_SPLIT,
-                   split_segment: int | None = None) -> dict[str, np.ndarray]:
+                   split_segment: int | None = None, target_depth: float | None = None) -> dict[str, np.ndarray]:
     """Held-out evaluation samples ``indices``, stacked as :func:`make_batch` stacks them.
 
     Sample i is ``make_batch(eval_seed(i), 1, ...)``'s one sample whatever batch it is drawn in, so
     every evaluation with the same sample count scores the same prompts, at any batch size.
+    ``target_depth`` places each asked fact at that relative depth (:func:`make_sample`); the same
+    index then keeps its filler, subjects and codes at every depth, so depths compare sample by sample.
     With ``split_segment``, sample i is instead that sample after :func:`split_asked_fact` at a random
     offset (segments of ``split_segment`` tokens): a boundary always separates its asked subject from
     its code's last digit. Where its asked fact lies too early to shift, sample i is drawn again from
@@ -338,8 +340,10 @@ def held_out_batch(indices: range, length_tokens: int, tokenizer: Tokenizer, num
     """
     if not len(indices):
         raise ValueError("indices must not be empty")
+    if split_segment is not None and target_depth is not None:
+        raise ValueError("split_segment shifts the asked fact, so it cannot keep a target_depth: give one of them")
     make = functools.partial(make_sample, length_tokens=length_tokens, tokenizer=tokenizer, num_facts=num_facts,
-                             shared_word=shared_word, filler_split=filler_split)
+                             shared_word=shared_word, filler_split=filler_split, target_depth=target_depth)
     samples = [make(np.random.default_rng([eval_seed(i), 0])) for i in indices]
     if split_segment is not None:
         samples = [_held_out_split(s, i, split_segment, make, tokenizer, filler_split)

@@ -93,7 +93,7 @@ def answer_inputs(ids: np.ndarray, answer_ids: np.ndarray) -> np.ndarray:
 def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: int, samples: int,
                        batch_size: int = 1, num_facts: int = 4, segment_size: int | None = None,
                        shared_word: bool = False, filler_split: str = FILLER_SPLIT,
-                       split_facts: bool = False, progress: bool = False,
+                       split_facts: bool = False, target_depth: float | None = None, progress: bool = False,
                        segment_starts: Callable[[np.ndarray, np.ndarray], list[np.ndarray]] | None = None
                        ) -> dict[str, float | None]:
     """Greedy exact-match and per-digit accuracy on held-out haystack prompts of `length` tokens
@@ -119,6 +119,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     corpus split `filler_split` (by default the validation split, which the base model never trained on).
     With `split_facts` (needs `segment_size`) every sample is shifted so that a segment boundary splits its
     asked fact (`held_out_batch(split_segment=segment_size)`): the code_split case on every sample.
+    `target_depth` puts every asked fact at that relative depth of the filler (`held_out_batch`);
+    `asked_depth` is then the mean position of the asked facts over the prompt length.
     `progress` shows a bar over the samples.
     """
     if samples < 1 or batch_size < 1:
@@ -134,7 +136,8 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
         raw = held_out_batch(range(i, i + b), length, tokenizer, num_facts=num_facts, shared_word=shared_word,
-                             filler_split=filler_split, split_segment=segment_size if split_facts else None)
+                             filler_split=filler_split, split_segment=segment_size if split_facts else None,
+                             target_depth=target_depth)
         logits = model(answer_inputs(raw["ids"], raw["answer_ids"]), length)  # B T V
         pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
         hits.append(pred == raw["answer_ids"])
@@ -151,7 +154,7 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
     bar.close()
     hit, fact_at, shared = np.concatenate(hits), np.concatenate(asked), np.concatenate(shared)  # N D, N, N
     out = {"length": length, "num_facts": num_facts, "shared_word_haystack": shared_word, "split_facts": split_facts,
-           **_scores(hit),
+           "target_depth": target_depth, "asked_depth": float(fact_at.mean() / length), **_scores(hit),
            "by_depth": _by_depth(hit, fact_at / length), "wrong_digit_rate": (1.0 - hit.mean(axis=0)).tolist(),
            "first_digit_other_fact_rate": float(np.concatenate(other_start).mean())}
     splits = [("shared_word", shared), ("distinct_words", ~shared)]
