@@ -66,6 +66,12 @@ def depth_grid(ckpt: Path, counts: list[int], lengths: list[int], depths: list[f
     return payload
 
 
+def _facts_label(name: str) -> str:
+    """'armt_1_facts' -> '1 fact', 'armt_4_facts' -> '4 facts'."""
+    count = int(name.split("_")[1])
+    return f"{count} fact{'s' if count != 1 else ''}"
+
+
 def _plot(rows: dict[str, list[list[dict]]], lengths: list[int], depths: list[float], samples: int,
           segmentation: str) -> None:
     """One heatmap per fact count (length down, depth across, exact match in %), and exact match
@@ -80,14 +86,15 @@ def _plot(rows: dict[str, list[list[dict]]], lengths: list[int], depths: list[fl
         ax.set_yticks(range(len(lengths)), [f"{n:,}" for n in lengths])
         ax.set_xlabel("asked fact's depth (0 = start, 1 = question)")
         ax.set_ylabel("context length (tokens)")
-        ax.set_title(f"{name.removeprefix('armt_').replace('_', ' ')}: exact match, {samples} samples per cell",
+        ax.set_title(f"{_facts_label(name)}: exact match, {samples} samples per cell",
                      fontsize=9)
     ax = axes[0, -1]
     for name, grid in rows.items():
         y = np.array([c["exact_match"] for c in grid[-1]])
         ci = np.array([c["exact_match_ci95"] for c in grid[-1]]).T
         ax.errorbar(depths, y, yerr=np.abs(ci - y), fmt="o-", capsize=3,
-                    label=name.removeprefix("armt_").replace("_", " "))
+                    label=_facts_label(name))
+    ax.axhline(0.9, color="grey", linestyle="--", linewidth=1, label="goal (90%)")
     ax.set_xlabel("asked fact's depth")
     ax.set_ylabel(f"exact match at {lengths[-1]:,} tokens (bars: 95%)")
     ax.set_ylim(-0.02, 1.02)
