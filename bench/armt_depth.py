@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.armt_retrieval import SEGMENTATION_LABELS, diagonal_decoding_logits  # noqa: E402
+from bench.armt_retrieval import GOAL_EXACT_MATCH, SEGMENTATION_LABELS, diagonal_decoding_logits  # noqa: E402
 from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL  # noqa: E402
 from jaxlongctx.loading import load  # noqa: E402
@@ -94,7 +94,7 @@ def _plot(rows: dict[str, list[list[dict]]], lengths: list[int], depths: list[fl
         ci = np.array([c["exact_match_ci95"] for c in grid[-1]]).T
         ax.errorbar(depths, y, yerr=np.abs(ci - y), fmt="o-", capsize=3,
                     label=_facts_label(name))
-    ax.axhline(0.9, color="grey", linestyle="--", linewidth=1, label="goal (90%)")
+    ax.axhline(GOAL_EXACT_MATCH, color="grey", linestyle="--", linewidth=1, label=f"goal ({GOAL_EXACT_MATCH:.0%})")
     ax.set_xlabel("asked fact's depth")
     ax.set_ylabel(f"exact match at {lengths[-1]:,} tokens (bars: 95%)")
     ax.set_ylim(-0.02, 1.02)
