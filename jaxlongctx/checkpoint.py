@@ -99,12 +99,27 @@ def save_model(module: Llama, path: str | Path, *, overwrite: bool = False,
     return Path(path)
 
 
+def on_device(target: Any) -> Any:
+    """`target` (a pytree of `ShapeDtypeStruct`s) with every leaf that names no sharding placed on the
+    default device: orbax restores such a leaf as a numpy array, which every jitted call then copies
+    to the device again (for a 540 MB model, most of a decode step)."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def place(leaf: Any) -> Any:
+        if getattr(leaf, "sharding", None) is not None:
+            return leaf
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device)
+
+    return jax.tree.map(place, target)
+
+
 def restore_params(path: str | Path, target: Any) -> Any:
-    """Restore the orbax parameter tree at `path/params` into the shapes/dtypes/shardings of `target`."""
+    """Restore the orbax parameter tree at `path/params` into the shapes/dtypes/shardings of `target`
+    as device-resident jax Arrays (leaves without a sharding go to the default device)."""
     path = Path(path).absolute()
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore(path / "params", target)
+            return ckptr.restore(path / "params", on_device(target))
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: cannot restore parameters ({type(e).__name__}: {e})") from None
 

@@ -21,8 +21,8 @@ from jaxlongctx.armt.params import MemoryParams
 from jaxlongctx.armt.segments import Segments, compact, grid_starts, segment, segment_at, token_rows
 from jaxlongctx.armt.sentences import SentenceSegmenter, make_segmenter
 from jaxlongctx.armt.sequential import MemoryState, sequential_forward
-from jaxlongctx.checkpoint import (CheckpointError, atomic_directory, load_module, read_metadata, save_params,
-                                   write_metadata)
+from jaxlongctx.checkpoint import (CheckpointError, atomic_directory, load_module, on_device, read_metadata,
+                                   save_params, write_metadata)
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache.dense import dense_cache_bytes
 from jaxlongctx.model.llama import Llama
@@ -260,7 +260,7 @@ class ARMTModel:
                       for (name, x), sharding in zip(target.items(), memory_shardings(mesh, target).values())}
         try:
             with ocp.StandardCheckpointer() as ckptr:
-                restored = ckptr.restore(path / _MEMORY_DIR, target)
+                restored = ckptr.restore(path / _MEMORY_DIR, on_device(target))
         except (FileNotFoundError, ValueError, KeyError) as e:
             raise CheckpointError(f"{path}: cannot restore ARMT memory parameters ({type(e).__name__}: {e})") from None
         if dtype is not None:
