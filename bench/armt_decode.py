@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
+from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL  # noqa: E402
 from jaxlongctx.generate import bucket_length, generate  # noqa: E402
 from jaxlongctx.kvcache.dense import dense_cache_bytes  # noqa: E402
@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--armt-ckpt", default=str(ARMT_MODEL))
     p.add_argument("--base-ckpt", default=str(BASE_MODEL))
     args = p.parse_args()
+    use_quick_results(args.quick)
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2")
     contexts = [1024, 4096] if args.quick else [1024, 4096, 16384, 32768]

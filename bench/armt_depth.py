@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.armt_retrieval import GOAL_EXACT_MATCH, SEGMENTATION_LABELS, diagonal_decoding_logits  # noqa: E402
-from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
+from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL  # noqa: E402
 from jaxlongctx.loading import load  # noqa: E402
 from jaxlongctx.train.evaluate import retrieval_accuracy  # noqa: E402
@@ -113,6 +113,7 @@ def main() -> None:
     p.add_argument("--depths", default="0.05,0.25,0.5,0.75,0.95")
     p.add_argument("--samples", type=int, default=16, help="held-out samples per cell")
     args = p.parse_args()
+    use_quick_results(args.quick)
     if args.quick:
         counts, lengths, depths, samples = [1, 2], [512, 2048], [0.1, 0.9], 4
     else:

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.armt_retrieval import diagonal_decoding_logits  # noqa: E402
-from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
+from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result  # noqa: E402
 from jaxlongctx.armt.generation import generate_ids  # noqa: E402
 from jaxlongctx.data.haystack import CODE_DIGITS, held_out_batch  # noqa: E402
 from jaxlongctx.data.tokenizer import load_default_tokenizer  # noqa: E402
@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="8 samples per cell, one segment and 512 tokens")
     p.add_argument("--armt-ckpt", default=str(ARMT_MODEL))
     args = p.parse_args()
+    use_quick_results(args.quick)
     armt = load(args.armt_ckpt, "fp32")
     segment = armt.armt.segment_size
     plan = [(segment, 8), (512, 8)] if args.quick else [(segment, 128), (512, 64), (4096, 32)]

@@ -52,7 +52,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
+from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result  # noqa: E402
 from jaxlongctx.armt.sentences import SEGMENTATIONS  # noqa: E402
 from jaxlongctx.data.corpus import SPLITS  # noqa: E402
 from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT  # noqa: E402
@@ -80,6 +80,7 @@ def main() -> None:
                    help="with --goal-only: how ARMT cuts the prompts into segments (default: as the checkpoint "
                         "was saved)")
     args = p.parse_args()
+    use_quick_results(args.quick)
     counts = sorted({int(n) for n in args.num_facts.split(",")})
     most = counts[-1]
     if args.goal_only:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import plot_path, repo_path, save_plot, subplots, write_result  # noqa: E402
+from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result  # noqa: E402
 from jaxlongctx.data.haystack import eval_seed, make_sample  # noqa: E402
 from jaxlongctx.data.tokenizer import load_default_tokenizer  # noqa: E402
 from jaxlongctx.demo import ARMT_MODEL  # noqa: E402
@@ -46,6 +46,7 @@ def main() -> None:
     p.add_argument("--armt-ckpt", default=str(ARMT_MODEL))
     p.add_argument("--tokens", type=int, default=32768, help="haystack length (default 32,768)")
     args = p.parse_args()
+    use_quick_results(args.quick)
     tokens = 4096 if args.quick else args.tokens
     armt = load(args.armt_ckpt, "fp32")
     sample = make_sample(eval_seed(0), tokens, load_default_tokenizer(), num_facts=4)

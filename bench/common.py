@@ -14,6 +14,21 @@ import jax
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
+# Set by `use_quick_results`: a `--quick` run writes `<name>_quick.json/png` (not committed), so that it
+# never overwrites the full results the README quotes.
+_QUICK = False
+
+
+def use_quick_results(quick: bool) -> bool:
+    """Call once after parsing a bench's arguments: with `quick`, results go to `<name>_quick.*`."""
+    global _QUICK
+    _QUICK = bool(quick)
+    return _QUICK
+
+
+def result_name(name: str) -> str:
+    """The file stem results of `name` are written under in this run."""
+    return f"{name}_quick" if _QUICK and not name.endswith("_quick") else name
 
 
 def environment() -> dict[str, Any]:
@@ -65,11 +80,14 @@ def repo_path(path: str | Path) -> str:
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:
-    """Write `bench/results/<name>.json` with the environment added; returns the path."""
+    """Write `bench/results/<name>.json` (`<name>_quick.json` in a quick run) atomically, with the
+    environment added; returns the path."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    path = RESULTS_DIR / f"{result_name(name)}.json"
     payload = {"name": name, "environment": environment(), **payload}
-    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    os.replace(tmp, path)  # a killed run leaves the previous result whole
     print(f"wrote {path}")
     return path
 
@@ -77,7 +95,7 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
 def plot_path(name: str) -> Path:
     """Where the PNG plot of benchmark `name` goes."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    return RESULTS_DIR / f"{name}.png"
+    return RESULTS_DIR / f"{result_name(name)}.png"
 
 
 def subplots(*args: Any, **kwargs: Any) -> Any:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result
+from bench.common import interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result
 from pallas_kernels import grouped_matmul, pq_decode_attention
 from pallas_kernels.grouped_matmul import grouped_matmul_reference
 from pallas_kernels.pq_attention_reference import pq_decode_attention_reference
@@ -242,6 +242,7 @@ def main() -> int:
     parser.add_argument("--dry-run-cpu", action="store_true",
                         help="tiny shapes through the Pallas interpreter on CPU (checks the script, not the GPU)")
     args = parser.parse_args()
+    use_quick_results(args.quick)
     if args.dry_run_cpu:
         cfg, name = dry_run_config(), "gpu_kernels_dry_run_cpu"
     elif jax.default_backend() != "gpu":

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result
+from bench.common import interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result
 from pallas_kernels import pq_decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, CENTROIDS, WINDOW = 32, 8, 128, 256, 128
@@ -119,6 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 context lengths up to 16K, 5 repeats")
     args = parser.parse_args()
+    use_quick_results(args.quick)
     contexts = CONTEXTS_QUICK if args.quick else CONTEXTS_FULL
     repeats = 5 if args.quick else 7
     rng = np.random.default_rng(0)

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result
+from bench.common import interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.demo import BASE_MODEL
 
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     args = p.parse_args(argv)
+    use_quick_results(args.quick)
 
     from jaxlongctx.model.model import Model
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import plot_path, save_plot, subplots, write_result
+from bench.common import plot_path, save_plot, subplots, use_quick_results, write_result
 from jaxlongctx.kvcache import effective_bits, fake_quantize, fake_quantize_keys, fake_quantize_values, train_codebooks
 
 D = 128
@@ -150,6 +150,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (a couple of minutes on 2 CPU cores)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    use_quick_results(args.quick)
     t0 = time.perf_counter()
     payload = run(args.quick, args.seed)
     payload["wall_s"] = time.perf_counter() - t0

@@ -12,7 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.common import plot_path, repo_path, save_plot, subplots, write_result
+from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result
 from jaxlongctx.demo import BASE_MODEL
 
 
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="few tokens and iterations (a smoke run, not a result)")
     p.add_argument("--name", default="pq_quality", help="result name (bench/results/<name>.json)")
     args = p.parse_args(argv)
+    use_quick_results(args.quick)
 
     from jaxlongctx.data.tokenizer import encode_corpus
     from jaxlongctx.kv_quality import kv_perplexity

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result  # noqa: E402
+from bench.common import (interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result)  # noqa: E402
 
 import jaxlongctx  # noqa: E402
 from convert.hf_llama import export_ckpt_to_hf  # noqa: E402
@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="1K and 4K contexts only, fewer repeats")
     p.add_argument("--new-tokens", type=int, default=32)
     args = p.parse_args()
+    use_quick_results(args.quick)
     import torch
     import transformers
 

@@ -20,7 +20,7 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result  # noqa: E402
+from bench.common import (interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result)  # noqa: E402
 from jaxlongctx.config import ModelConfig  # noqa: E402
 from jaxlongctx.generate import bucket_length, generate  # noqa: E402
 from jaxlongctx.model.model import Model  # noqa: E402
@@ -92,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2-layer model, 128-token prompt, 3 repeats")
     args = parser.parse_args()
+    use_quick_results(args.quick)
     config = QUICK if args.quick else FULL
     prompt, new_tokens, repeats = (128, 8, 3) if args.quick else (512, 16, 5)
     tps = [t for t in (1, 2, 4, 8) if t <= len(jax.devices())]

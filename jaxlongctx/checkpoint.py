@@ -1,17 +1,15 @@
 """Our checkpoint format: `config.json` + orbax parameter tree (+ optional `tokenizer.json`).
 
-Writes are atomic: everything goes to a temporary sibling directory that is renamed into place
-only when complete, so a failed save never leaves a partial checkpoint behind.
+Writes go through `jaxlongctx.output_dir.atomic_directory`: built in a temporary sibling and swapped
+in by renames when complete, so a failed or killed save never leaves a partial checkpoint behind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,30 +18,13 @@ from flax import nnx
 
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.llama import Llama
+from jaxlongctx.output_dir import atomic_directory
 
 FORMAT = "jaxlongctx-checkpoint-v1"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or written."""
-
-
-@contextlib.contextmanager
-def atomic_directory(out: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory next to `out`; on success rename it to `out`, on error delete it."""
-    out = Path(out).absolute()
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out}: output already exists (pass overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def abstract_model(config: ModelConfig, dtype: jnp.dtype) -> Llama:
@@ -70,10 +51,22 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         meta = json.loads(f.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{f}: missing (not a jaxlongctx checkpoint)") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{f}: corrupt JSON ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{f}: not a jaxlongctx checkpoint (format {meta.get('format')!r})")
+    except OSError as e:
+        raise CheckpointError(f"{f}: cannot read ({e.strerror})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{f}: not a jaxlongctx checkpoint (format {found!r})")
+    for key, kind in (("config", dict), ("dtype", str)):
+        if not isinstance(meta.get(key), kind):
+            raise CheckpointError(f"{f}: field {key!r} is missing or not a JSON {kind.__name__}")
+    if meta["dtype"] not in ("bfloat16", "float32", "float16"):
+        raise CheckpointError(f"{f}: unsupported dtype {meta['dtype']!r}")
+    try:
+        ModelConfig.from_dict(meta["config"])
+    except ValueError as e:
+        raise CheckpointError(f"{f}: {e}") from None
     return meta
 
 
@@ -113,10 +106,37 @@ def on_device(target: Any) -> Any:
     return jax.tree.map(place, target)
 
 
+def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor name: (shape, dtype name)} of a tree of arrays, ShapeDtypeStructs or orbax metadata."""
+    return {jax.tree_util.keystr(k, simple=True, separator="."): (tuple(v.shape), str(jnp.dtype(v.dtype)))
+            for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def check_stored_tensors(directory: Path, target: Any) -> None:
+    """Compare the tensors stored in the orbax tree at `directory` with `target` (what config.json
+    implies): every name, shape and dtype must match, else a CheckpointError naming the tensor."""
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            meta = ckptr.metadata(directory)
+    except (FileNotFoundError, ValueError, KeyError, OSError) as e:
+        raise CheckpointError(f"{directory}: cannot read the stored tensors ({type(e).__name__}: {e})") from None
+    stored, wanted = _shapes(getattr(meta, "item_metadata", meta)), _shapes(target)
+    for name in sorted(wanted.keys() | stored.keys()):
+        if name not in stored:
+            raise CheckpointError(f"{directory}: tensor {name!r} is missing")
+        if name not in wanted:
+            raise CheckpointError(f"{directory}: unexpected tensor {name!r} (not in the model config.json describes)")
+        if stored[name] != wanted[name]:
+            (s_shape, s_dtype), (w_shape, w_dtype) = stored[name], wanted[name]
+            raise CheckpointError(f"{directory}: tensor {name!r} is stored as {s_dtype}{list(s_shape)} but "
+                                  f"config.json implies {w_dtype}{list(w_shape)}")
+
+
 def restore_params(path: str | Path, target: Any) -> Any:
     """Restore the orbax parameter tree at `path/params` into the shapes/dtypes/shardings of `target`
     as device-resident jax Arrays (leaves without a sharding go to the default device)."""
     path = Path(path).absolute()
+    check_stored_tensors(path / "params", target)
     try:
         with ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(path / "params", on_device(target))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -79,9 +80,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ids = np.asarray([model.tokenizer.encode(args.prompt).ids], np.int32)
     else:
         try:
-            ids = np.asarray([[int(x) for x in args.ids.replace(",", " ").split()]], np.int32)
+            values = [int(x) for x in args.ids.replace(",", " ").split()]
         except ValueError:
             raise ValueError(f"--ids must be integers separated by spaces or commas, got {args.ids!r}") from None
+        bad = [v for v in values if not 0 <= v < model.config.vocab_size]
+        if bad:
+            raise ValueError(f"--ids: token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})")
+        ids = np.asarray([values], np.int32)
     out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, progress=True, **kwargs)
     if args.stats:
@@ -208,9 +213,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:  # bad input, named by the message
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file that cannot be read or written
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line for the user; the traceback on request
+        if os.environ.get("JAXLONGCTX_TRACEBACK"):
+            raise
+        print(f"error: internal error ({type(e).__name__}: {e}); set JAXLONGCTX_TRACEBACK=1 for the traceback "
+              "and report it", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

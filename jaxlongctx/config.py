@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +42,14 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
-            if int(getattr(self, name)) <= 0:
-                raise ConfigError(f"config field {name!r} must be positive, got {getattr(self, name)}")
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ConfigError(f"config field {name!r} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"config field {name!r} must be a positive finite number, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
@@ -73,11 +80,16 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Inverse of `to_dict`."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"the model config must be a JSON object, got {type(d).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - fields
         if unknown:
             raise ConfigError(f"unknown model config fields: {sorted(unknown)}")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except TypeError as e:  # a required field missing
+            raise ConfigError(f"incomplete model config ({e})") from None
 
     # --- HuggingFace interchange -------------------------------------------------------------
     @classmethod
@@ -95,8 +107,17 @@ class ModelConfig:
                 hf = json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: not valid JSON ({e})") from None
+            except UnicodeDecodeError:
+                raise ConfigError(f"{path}: not UTF-8 text") from None
             where = str(path)
-        return _from_hf_dict(hf, where)
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{where}: must hold a JSON object, got {type(hf).__name__}")
+        try:
+            return _from_hf_dict(hf, where)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+            raise ConfigError(f"{where}: a field has the wrong type or value ({type(e).__name__}: {e})") from None
 
     def to_hf(self) -> dict[str, Any]:
         """A HuggingFace `config.json` dict that `transformers` loads as the same model."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -175,10 +176,16 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
     return req.decode(logits, cache, run, progress=progress, timings=timings)
 
 
+# Below this, logits / temperature overflows float32 and sampling degenerates (every id 0).
+MIN_TEMPERATURE = 1e-3
+
+
 def check_sampler(temperature: float, top_k: int | None, top_p: float | None, vocab: int) -> tuple:
     """Validate sampling options; returns them as a hashable tuple."""
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if (not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
+            or not (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                         f"got {temperature!r}")
     if top_k is not None and not (isinstance(top_k, int) and 0 < top_k <= vocab):
         raise ValueError(f"top_k must be an integer in [1, {vocab}], got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from jaxlongctx.kvcache.codebooks import GRANULARITIES, Codebooks, Granularity, load_codebooks, save_codebooks, train_codebooks
 from jaxlongctx.model.llama import forward_hidden
 from jaxlongctx.model.model import Model
+from jaxlongctx.output_dir import check_output
 
 FINGERPRINT_SAMPLES = 4096  # parameter values hashed per leaf (evenly strided)
 
@@ -125,6 +126,7 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     from jaxlongctx.data.tokenizer import encode_corpus
     from jaxlongctx.loading import load
 
+    check_output(args.out, overwrite=args.overwrite, inputs=(args.model, args.text))
     model = load(args.model, args.dtype)
     if args.text is None:
         tokens, source = encode_corpus("calibration", model.tokenizer), "calibration split"
@@ -138,7 +140,7 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
         source = str(text_path)
     cb = calibrate(model, tokens, args.ds, args.bits, args.granularity, args.iters, seq_len=args.seq_len,
                    max_tokens=args.max_tokens, seed=args.seed, progress=True, source=source)
-    path = save_codebooks(cb, args.out, overwrite=args.overwrite)
+    path = save_codebooks(cb, args.out, overwrite=args.overwrite, inputs=(args.model, args.text))
     summary = {"out": str(path), "ds": cb.ds, "bits": cb.bits, "granularity": cb.granularity, **cb.metadata}
     print(json.dumps(summary))
     return summary

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
-import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxlongctx.kvcache.kmeans import Init, kmeans
+from jaxlongctx.output_dir import atomic_directory
 
 Granularity = Literal["shared", "layer", "layer_head"]
 GRANULARITIES: tuple[str, ...] = ("shared", "layer", "layer_head")
@@ -210,32 +209,26 @@ def _static_fields(cb: Codebooks) -> dict[str, Any]:
     }
 
 
-def save_codebooks(cb: Codebooks, path: str | Path, *, overwrite: bool = False) -> Path:
-    """Write codebooks to directory `path` (orbax arrays + codebooks.json), atomically via a temp dir."""
+def save_codebooks(cb: Codebooks, path: str | Path, *, overwrite: bool = False,
+                   inputs: Iterable[str | Path | None] = ()) -> Path:
+    """Write codebooks to directory `path` (orbax arrays + codebooks.json), atomically; `inputs`
+    (the model they were calibrated on) may not lie inside `path`."""
     import orbax.checkpoint as ocp
 
-    path = Path(path).absolute()
-    if path.exists() and not overwrite:
-        raise ValueError(f"path {path} already exists (pass overwrite=True to replace it)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
-    try:
-        tmp.mkdir()
+    check_finite_centroids(cb, str(path))
+    with atomic_directory(path, overwrite=overwrite, kind="codebooks", inputs=inputs) as tmp:
         arrays = {"key_centroids": np.asarray(cb.key_centroids), "value_centroids": np.asarray(cb.value_centroids)}
         with ocp.PyTreeCheckpointer() as ckptr:
             ckptr.save(tmp / _ARRAYS_DIR, arrays)
         (tmp / _META_FILE).write_text(json.dumps(_static_fields(cb), indent=2) + "\n")
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return path
+    return Path(path)
+
+
+def check_finite_centroids(cb: Codebooks, where: str) -> None:
+    """Refuse codebooks with a NaN or infinite centroid (they would turn every attention score into NaN)."""
+    for name in ("key_centroids", "value_centroids"):
+        if not bool(np.isfinite(np.asarray(getattr(cb, name), np.float32)).all()):
+            raise ValueError(f"codebooks at {where}: {name} holds non-finite values")
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -279,7 +272,7 @@ def load_codebooks(path: str | Path, expected_fingerprint: str | None = None) ->
     if not isinstance(arrays, dict) or set(arrays) != {"key_centroids", "value_centroids"}:
         raise ValueError(f"codebooks at {path}: {_ARRAYS_DIR}/ must hold key_centroids and value_centroids")
     try:
-        return Codebooks(
+        cb = Codebooks(
             key_centroids=jnp.asarray(arrays["key_centroids"], jnp.float32),
             value_centroids=jnp.asarray(arrays["value_centroids"], jnp.float32),
             granularity=meta["granularity"],
@@ -292,6 +285,8 @@ def load_codebooks(path: str | Path, expected_fingerprint: str | None = None) ->
         )
     except ValueError as e:
         raise ValueError(f"codebooks at {path} do not match {_META_FILE}: {e}") from e
+    check_finite_centroids(cb, str(path))
+    return cb
 
 
 def cache_bytes(

@@ -33,6 +33,7 @@ from jaxlongctx.data.corpus import SPLITS
 from jaxlongctx.data.haystack import (CODE_DIGITS, FILLER_SPLIT, TOKENS_BEFORE_CODE, follow_up_ids, make_sample,
                                       split_asked_fact, train_seed)
 from jaxlongctx.data.tokenizer import load_default_tokenizer
+from jaxlongctx.output_dir import check_output
 from jaxlongctx.train.evaluate import retrieval_accuracy
 from jaxlongctx.train.optim import OptimConfig, make_optimizer
 from jaxlongctx.train.trainer import Trainer, TrainerConfig, load_into
@@ -212,6 +213,10 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, st
     params, and the base weights unless `freeze_base`), the samples cut by `segmentation` ("fixed" or
     "sentences", as `ARMTModel.segmentation`)."""
     tokenizer = load_default_tokenizer()
+    if tokenizer.get_vocab_size() > armt.config.vocab_size:
+        raise ValueError(f"the training text's tokenizer has {tokenizer.get_vocab_size()} ids but the model's "
+                         f"vocabulary only {armt.config.vocab_size}: train-armt needs a base model with the "
+                         "built-in tokenizer's vocabulary")
     segmenter = make_segmenter(segmentation, tokenizer)
     s = armt.armt.segment_size
     per_step = stage_per_step(stages)
@@ -246,6 +251,7 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
                                                      "an existing run there is resumed")
     parser.add_argument("--save", help="write the fine-tuned ARMT model here")
     parser.add_argument("--save-dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --save checkpoint of ours")
     parser.add_argument("--segment-size", type=int, help="with --base (default 128)")
     parser.add_argument("--mem-tokens", type=int, help="with --base (default 16)")
     parser.add_argument("--d-mem", type=int, help="with --base (default 32)")
@@ -311,6 +317,12 @@ def parse_fact_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+# Arguments that shape the training run: a resume that changes one of them is refused.
+_RUN_SETTINGS = ("base", "init", "curriculum", "num_facts", "boundary_fraction", "far_fraction",
+                 "shared_word_fraction", "split_fraction", "follow_ups", "filler_split", "lm_weight", "lr",
+                 "freeze_base", "seed")
+
+
 def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     """`jaxlongctx train-armt`: wrap the base model with a fresh ARMT memory (or start from an ARMT
     checkpoint), fine-tune (or resume the run in `--out`), save."""
@@ -319,6 +331,8 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     stages = parse_curriculum(args.curriculum)
     facts = parse_fact_range(str(args.num_facts))
     steps = sum(stage.steps for stage in stages)
+    if args.save:
+        check_output(args.save, overwrite=args.overwrite, inputs=(args.out, args.base, args.init))
     sizes = {"--segment-size": args.segment_size, "--mem-tokens": args.mem_tokens, "--d-mem": args.d_mem}
     if args.init:
         given = [name for name, value in sizes.items() if value is not None]
@@ -336,7 +350,9 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     warmup = max(1, steps // 50) if steps > 1 else 0
     optim = OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=steps, weight_decay=0.0)
-    tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress)
+    hyperparams = {name: getattr(args, name) for name in _RUN_SETTINGS}
+    tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress,
+                         hyperparams={**hyperparams, "armt_config": cfg.to_dict(), "segmentation": segmentation})
     trainer = armt_trainer(armt, optim, tcfg, stages, facts, args.lm_weight, args.freeze_base, args.seed,
                            args.boundary_fraction, args.far_fraction, args.follow_ups, args.shared_word_fraction,
                            args.filler_split, args.split_fraction, segmentation)
@@ -370,7 +386,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         load_into(saved.base.module, cast[0])
         load_into(saved.memory, cast[1])
         saved.segmentation = segmentation
-        saved.save(args.save, overwrite=True)
+        saved.save(args.save, overwrite=args.overwrite)
         summary["saved"] = str(args.save)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({"final_loss": summary["final_loss"], "accuracy": summary["accuracy"]}))

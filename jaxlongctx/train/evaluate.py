@@ -57,6 +57,10 @@ def perplexity(module: Llama, tokens: np.ndarray, context: int, batch_size: int 
     """Mean NLL (nats/token) and perplexity over every token of `tokens`, in windows of `context`."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    tokens = np.asarray(tokens)
+    if tokens.size and int(tokens.max()) >= module.config.vocab_size:
+        raise ValueError(f"the text holds token id {int(tokens.max())} but the model's vocabulary has "
+                         f"{module.config.vocab_size} ids: the tokenizer does not belong to this model")
     windows = eval_windows(tokens, context)
     graphdef, params = nnx.split(module)
     step = jax.jit(lambda p, ids, mask: token_nll(nnx.merge(graphdef, p), ids, mask, kv_transform))
@@ -212,6 +216,9 @@ def run_eval_ppl(args: argparse.Namespace, kv_transform: KVTransform | None = No
     if args.context < 1 or args.batch_size < 1:
         raise ValueError(f"--context and --batch-size must be >= 1, got {args.context} and {args.batch_size}")
     model = load(args.ckpt, args.dtype)
+    if not hasattr(model, "module"):
+        raise ValueError(f"{args.ckpt} holds a {type(model).__name__}; eval-ppl measures full-attention models "
+                         "(give the base model, or measure ARMT with the retrieval bench)")
     tokens = encode_corpus(args.split, model.tokenizer)
     if args.max_tokens is not None:
         if args.max_tokens < 1:

@@ -17,6 +17,7 @@ from jaxlongctx.checkpoint import save_model
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_PATH, encode_corpus
 from jaxlongctx.model.model import Model
+from jaxlongctx.output_dir import check_output
 from jaxlongctx.train.data import TokenWindows
 from jaxlongctx.train.evaluate import perplexity, token_nll, unigram_baseline
 from jaxlongctx.train.optim import OptimConfig, make_optimizer
@@ -63,6 +64,7 @@ def add_train_lm_arguments(parser: argparse.ArgumentParser) -> None:
                                                      "an existing run there is resumed")
     parser.add_argument("--save", help="write the final model here as a jaxlongctx checkpoint (with tokenizer)")
     parser.add_argument("--save-dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --save checkpoint of ours")
     parser.add_argument("--quick", action="store_true", help="tiny model, 20 steps, short context (smoke test)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=None)
@@ -75,22 +77,31 @@ def add_train_lm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def _given_or(value: int | None, default: int) -> int:
+    """A command-line number as given (0 included, so that it is refused rather than replaced), or `default`."""
+    return default if value is None else value
+
+
 def run_train_lm(args: argparse.Namespace) -> dict[str, Any]:
     """`jaxlongctx train-lm`: pretrain (or resume), evaluate on validation vs unigram, save, plot."""
     config = QUICK_CONFIG if args.quick else BASE_CONFIG
-    steps = args.steps or (20 if args.quick else 180)
-    batch_size = args.batch_size or (4 if args.quick else 8)
-    context = args.context or (64 if args.quick else 512)
+    steps = _given_or(args.steps, 20 if args.quick else 180)
+    batch_size = _given_or(args.batch_size, 4 if args.quick else 8)
+    context = _given_or(args.context, 64 if args.quick else 512)
     if min(steps, batch_size, context) < 1:
         raise ValueError(f"--steps, --batch-size and --context must be >= 1, got {steps}, {batch_size}, {context}")
     warmup = args.warmup if args.warmup is not None else max(1, steps // 20)
     out = Path(args.out)
+    if args.save:
+        check_output(args.save, overwrite=args.overwrite, inputs=(out,))
     val = encode_corpus("validation")
     if args.quick:
         val = val[:4 * context]
     optim = OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=steps)
+    hyperparams = {"model": "quick" if args.quick else "base", "batch_size": batch_size, "context": context,
+                   "seed": args.seed, "optim": dataclasses.asdict(optim)}
     tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, hyperparams=hyperparams)
     trainer = lm_trainer(config, optim, tcfg, batch_size, context, args.seed, eval_tokens=val)
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
@@ -111,7 +122,7 @@ def run_train_lm(args: argparse.Namespace) -> dict[str, Any]:
         dtype = jnp.bfloat16 if args.save_dtype == "bf16" else jnp.float32
         params = jax.tree.map(lambda x: x.astype(dtype), trainer.params)
         cast = load_into(Model.init(config, dtype=dtype).module, params)
-        save_model(cast, args.save, overwrite=True, tokenizer_file=TOKENIZER_PATH)
+        save_model(cast, args.save, overwrite=args.overwrite, tokenizer_file=TOKENIZER_PATH)
         saved = perplexity(cast, val, context)
         summary["saved"] = {"path": str(args.save), "dtype": args.save_dtype, "validation": saved}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

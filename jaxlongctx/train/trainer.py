@@ -22,7 +22,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from jaxlongctx.checkpoint import CheckpointError, atomic_directory
+from jaxlongctx.checkpoint import CheckpointError
+from jaxlongctx.output_dir import MARKER, OutputError, atomic_directory, is_ours, write_marker
 
 LossFn = Callable[[Any, Any, dict[str, jnp.ndarray]], jnp.ndarray]  # (params, frozen, batch) -> scalar
 BatchFn = Callable[[int], dict[str, np.ndarray]]  # step -> batch
@@ -40,6 +41,9 @@ class TrainerConfig:
     eval_every: int = 0  # 0: evaluate only at the end
     keep_checkpoints: int = 2
     progress: bool = True
+    # The run's settings (learning rate, batch size, context, seed, ...): saved with every checkpoint,
+    # and a resume that changes any of them is refused.
+    hyperparams: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -100,10 +104,11 @@ class Trainer:
         """Write the full training state at the current step (atomically) and prune old ones."""
         root = Path(self.config.out_dir) / "checkpoints"
         path = _step_dir(root, self.step)
-        with atomic_directory(path, overwrite=True) as tmp:
+        with atomic_directory(path, overwrite=True, kind="training-state") as tmp:
             with ocp.StandardCheckpointer() as ckptr:
                 ckptr.save(tmp / "state", self._state_tree())
-            meta = {"step": self.step, "total_steps": self.config.steps, "wall_s": self._wall, "history": self.history}
+            meta = {"step": self.step, "total_steps": self.config.steps, "wall_s": self._wall,
+                    "hyperparams": self.config.hyperparams, "history": self.history}
             (tmp / "trainer.json").write_text(json.dumps(meta) + "\n")
         done = sorted(p for p in root.glob("step_*") if (p / "trainer.json").is_file())
         for old in done[:-self.config.keep_checkpoints]:
@@ -123,11 +128,36 @@ class Trainer:
         if meta["total_steps"] != self.config.steps:
             raise CheckpointError(f"{path}: written by a run of {meta['total_steps']} steps; resuming it with "
                                   f"{self.config.steps} steps would change the learning-rate schedule")
+        saved = json.loads(json.dumps(meta.get("hyperparams", {})))
+        now = json.loads(json.dumps(self.config.hyperparams))  # the JSON round trip the saved copy went through
+        changed = sorted(k for k in saved.keys() | now.keys() if k in saved and saved.get(k) != now.get(k))
+        if changed:
+            diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
+            raise CheckpointError(f"{path}: resuming with changed settings ({diffs}); rerun with the saved "
+                                  f"settings, or train into a new --out")
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.step, self._wall, self.history = int(meta["step"]), float(meta["wall_s"]), meta["history"]
 
+    def claim_out_dir(self) -> None:
+        """Create the run directory `out_dir` and mark it as ours; refuse a non-empty directory that
+        holds no run of ours (its files could be overwritten)."""
+        out = Path(self.config.out_dir)
+        if out.exists() and not out.is_dir():
+            raise OutputError(f"{out}: exists and is not a directory")
+        if out.is_dir() and any(out.iterdir()) and not is_ours(out) and latest_checkpoint(out) is None:
+            raise OutputError(f"{out}: a non-empty directory that holds no jaxlongctx training run; "
+                              "give a new or empty --out")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if not (out / MARKER).exists():
+                write_marker(out, "training-run")
+        except OSError as e:
+            raise OutputError(f"{out}: cannot write the run directory ({e.strerror})") from None
+
     def maybe_resume(self) -> bool:
-        """Restore the latest checkpoint under `out_dir` if there is one; True if resumed."""
+        """Claim `out_dir` (see `claim_out_dir`) and restore its latest checkpoint if there is one;
+        True if resumed."""
+        self.claim_out_dir()
         path = latest_checkpoint(self.config.out_dir)
         if path is None:
             return False
@@ -146,6 +176,7 @@ class Trainer:
     def run(self, stop_at: int | None = None) -> dict[str, list]:
         """Train until `config.steps` (or `stop_at`, to simulate an interruption); returns the history."""
         cfg = self.config
+        self.claim_out_dir()
         end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress, unit="step", dynamic_ncols=True)
         while self.step < end:
