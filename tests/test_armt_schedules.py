@@ -24,6 +24,7 @@ def _rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
+@pytest.mark.jaxmin
 def test_sequential_matches_numpy_spec():
     armt = shared_armt()
     ids = RNG.integers(0, VOCAB, 29)  # 3 full segments + a short one of 5 tokens
@@ -38,6 +39,7 @@ def test_sequential_matches_numpy_spec():
     assert np.abs(plain[8:] - ref[8:]).max() > 1e-2
 
 
+@pytest.mark.jaxmin
 @pytest.mark.parametrize("length", [16, 24, 45, 90], ids=["S<L", "S=L", "S>L-short-last", "S>L-chunked"])
 def test_diagonal_equals_sequential(length):
     armt = shared_armt()

@@ -17,6 +17,7 @@ def model():
     return jaxlongctx.Model.init(CFG, seed=1)
 
 
+@pytest.mark.jaxmin
 def test_cached_decode_equals_full_forward(model):
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 97, (2, 7)).astype(np.int32)

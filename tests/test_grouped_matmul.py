@@ -12,7 +12,7 @@ import pytest
 from pallas_kernels import grouped_matmul
 from pallas_kernels.grouped_matmul import grouped_matmul_reference
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"), pytest.mark.jaxmin]
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 

@@ -18,7 +18,7 @@ from pallas_kernels.grouped_matmul_kernel import GemmBlocks, choose_blocks, grou
 from pallas_kernels.pq_attention_kernel import PQBlocks, padded_group, pq_coded_partials_pallas
 from pallas_kernels.pq_attention_kernel import choose_blocks as choose_pq_blocks
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"), pytest.mark.jaxmin]
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))

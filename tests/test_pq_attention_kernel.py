@@ -14,7 +14,7 @@ from pallas_kernels.pq_attention import lookup_tables, merge_partials
 from pallas_kernels.pq_attention_kernel import PQBlocks, pq_coded_partials_pallas
 from pallas_kernels.pq_attention_reference import pq_decode_attention_reference
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"), pytest.mark.jaxmin]
 
 CENTROIDS = 256
 
