@@ -33,8 +33,11 @@ class Llama(nnx.Module):
     def head(self, h: jnp.ndarray) -> jnp.ndarray:
         """Final norm and LM head: `[B, T, D]` -> float32 logits `[B, T, V]`."""
         x = rms_norm(h, self.final_norm[...], self.config.rms_norm_eps)
-        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
+        if self.config.tie_word_embeddings:  # contract the embedding's D axis in place: a transposed
+            # copy of the [V, D] table would be built on every call
+            logits = jnp.einsum("btd,vd->btv", x, self.embed[...], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...], preferred_element_type=jnp.float32)
         return reshard_like(logits, x)  # vocab-parallel head: gather the per-shard logits
 
     def rope(self, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
