@@ -34,6 +34,8 @@ from flax import nnx
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp32": np.float32}
 # Tensors some exporters write that carry no weights.
 _IGNORED = ("rotary_emb.inv_freq",)
+# Files next to the weights that travel with a model through import and export.
+_EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 class ConversionError(ValueError):
@@ -149,7 +151,37 @@ def convert_hf_to_ckpt(hf_dir: str | Path, out: str | Path, dtype: str | None = 
         raise ConversionError(f"{hf_dir}: not a directory")
     config = ModelConfig.from_hf(hf_dir / "config.json")
     reader = SafetensorsReader(hf_dir)
+    extras = {name: (hf_dir / name).read_bytes() for name in _EXTRA_FILES if (hf_dir / name).exists()}
+    return write_checkpoint(reader, config, out, dtype, source=hf_dir, extras=extras, overwrite=overwrite,
+                            progress=progress)
+
+
+def write_checkpoint(reader: Any, config: ModelConfig, out: str | Path, dtype: str | None, *, source: Path,
+                     extras: dict[str, bytes], overwrite: bool = False, progress: bool = True) -> Path:
+    """Write our checkpoint at `out` (atomic) from `reader`'s tensors, which carry HF names and layout
+    (`reader.location`, `.shape(name)`, `.read(name)`: SafetensorsReader or a GGUF reader); every
+    tensor the config needs must be there and no other. `extras` are files (name -> bytes) to add."""
     target = _target_dtype(reader, dtype)
+    with atomic_directory(out, overwrite=overwrite, inputs=(source,)) as tmp:
+        buffers = tmp / "buffers"
+        buffers.mkdir()
+        params = stack_params(reader, config, target, source, progress=progress,
+                              allocate=lambda name, shape: np.lib.format.open_memmap(
+                                  buffers / f"{name}.npy", mode="w+", dtype=target, shape=shape))
+        save_params(tmp, params)
+        del params
+        shutil.rmtree(buffers)
+        write_metadata(tmp, config, str(target), {"source": str(source.absolute())})
+        for name, content in extras.items():
+            (tmp / name).write_bytes(content)
+    return Path(out)
+
+
+def stack_params(reader: Any, config: ModelConfig, target: np.dtype, source: Path, *, progress: bool = True,
+                 allocate: Any = None) -> dict[str, Any]:
+    """Our pure parameter dict (per-layer leaves stacked `[L, ...]`) from `reader`'s HF-named tensors,
+    read one at a time into buffers from `allocate(name, shape)` (default: in memory); checks that
+    every tensor the config needs is there with its shape and no other."""
     rules = tensor_rules(config)
     expected = {rule.template.format(i=i) for rule in rules
                 for i in (range(config.num_layers) if rule.per_layer else [0])}
@@ -165,46 +197,37 @@ def convert_hf_to_ckpt(hf_dir: str | Path, out: str | Path, dtype: str | None = 
                               f"for a {config.model_type} model with this config")
     missing = sorted(expected - known)
     if missing:
-        raise ConversionError(f"{hf_dir}: missing tensor {missing[0]!r}")
+        raise ConversionError(f"{source}: missing tensor {missing[0]!r}")
 
     skeleton = nnx.to_pure_dict(nnx.state(abstract_model(config, jnp.dtype(target))))
-    with atomic_directory(out, overwrite=overwrite) as tmp:
-        buffers = tmp / "buffers"
-        buffers.mkdir()
-        params: dict[str, Any] = {}
-        bar = tqdm(rules, desc="convert", unit="tensor", disable=not progress)
-        for rule in bar:
-            spec = _lookup(skeleton, rule.ours)
-            bar.set_postfix_str(".".join(rule.ours))
-            buf = np.lib.format.open_memmap(buffers / ("_".join(rule.ours) + ".npy"), mode="w+",
-                                            dtype=target, shape=spec.shape)
-            for i in range(config.num_layers) if rule.per_layer else [None]:
-                name = rule.template.format(i=i)
-                want = spec.shape[1:] if rule.per_layer else spec.shape
-                hf_want = tuple(reversed(want)) if rule.transpose else tuple(want)
-                got = reader.shape(name)
-                if got != hf_want:
-                    raise ConversionError(f"{reader.location[name]}: tensor {name!r} has shape {got}, "
-                                          f"expected {hf_want} from config.json")
-                t = reader.read(name)
-                t = (t.T if rule.transpose else t).astype(target)
-                if rule.per_layer:
-                    buf[i] = t
-                else:
-                    buf[...] = t
+    allocate = allocate or (lambda name, shape: np.empty(shape, target))
+    params: dict[str, Any] = {}
+    bar = tqdm(rules, desc="convert", unit="tensor", disable=not progress)
+    for rule in bar:
+        spec = _lookup(skeleton, rule.ours)
+        bar.set_postfix_str(".".join(rule.ours))
+        buf = allocate("_".join(rule.ours), spec.shape)
+        for i in range(config.num_layers) if rule.per_layer else [None]:
+            name = rule.template.format(i=i)
+            want = spec.shape[1:] if rule.per_layer else spec.shape
+            hf_want = tuple(reversed(want)) if rule.transpose else tuple(want)
+            got = reader.shape(name)
+            if got != hf_want:
+                raise ConversionError(f"{reader.location[name]}: tensor {name!r} has shape {got}, "
+                                      f"expected {hf_want} from the model config")
+            t = reader.read(name)
+            t = (t.T if rule.transpose else t).astype(target)
+            if rule.per_layer:
+                buf[i] = t
+            else:
+                buf[...] = t
+        if isinstance(buf, np.memmap):
             buf.flush()
-            _assign(params, rule.ours, buf)
-        if tied_copy and not np.array_equal(reader.read("lm_head.weight").astype(target), params["embed"]):
-            raise ConversionError(f"{reader.location['lm_head.weight']}: tensor 'lm_head.weight' differs from "
-                                  "the embedding although tie_word_embeddings is true")
-        save_params(tmp, params)
-        del params, buf
-        shutil.rmtree(buffers)
-        write_metadata(tmp, config, str(target), {"source": str(hf_dir.absolute())})
-        for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            if (hf_dir / extra).exists():
-                shutil.copy(hf_dir / extra, tmp / extra)
-    return Path(out)
+        _assign(params, rule.ours, buf)
+    if tied_copy and not np.array_equal(reader.read("lm_head.weight").astype(target), params["embed"]):
+        raise ConversionError(f"{reader.location['lm_head.weight']}: tensor 'lm_head.weight' differs from "
+                              "the embedding although tie_word_embeddings is true")
+    return params
 
 
 def export_ckpt_to_hf(ckpt: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
@@ -225,7 +248,7 @@ def export_ckpt_to_hf(ckpt: str | Path, out: str | Path, *, overwrite: bool = Fa
         hf_config = config.to_hf()
         hf_config["torch_dtype"] = "bfloat16" if meta["dtype"] == "bfloat16" else "float32"
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        for extra in _EXTRA_FILES:
             if (Path(ckpt) / extra).exists():
                 shutil.copy(Path(ckpt) / extra, tmp / extra)
     return Path(out)
@@ -246,6 +269,8 @@ def _assign(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The converter's command-line options (shared with `jaxlongctx convert`)."""
     p.add_argument("--hf-dir", help="HF model directory (config.json + *.safetensors) to import")
+    p.add_argument("--gguf", metavar="FILE", help="llama.cpp GGUF file (llama, qwen2, qwen3; F32/F16/BF16 or "
+                   "Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K) to import, with its tokenizer and chat template")
     p.add_argument("--export", metavar="CKPT", help="export this jaxlongctx checkpoint to a HF directory instead")
     p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -256,10 +281,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run a parsed conversion command; returns the exit code."""
     try:
-        if bool(args.hf_dir) == bool(args.export):
-            raise ConversionError("give exactly one of --hf-dir (import) or --export (export)")
+        if sum(map(bool, (args.hf_dir, args.gguf, args.export))) != 1:
+            raise ConversionError("give exactly one of --hf-dir or --gguf (import) or --export (export)")
         if args.export:
             out = export_ckpt_to_hf(args.export, args.out, overwrite=args.overwrite)
+        elif args.gguf:
+            from convert.gguf_llama import convert_gguf_to_ckpt  # noqa: PLC0415
+
+            out = convert_gguf_to_ckpt(args.gguf, args.out, args.dtype, overwrite=args.overwrite)
         else:
             out = convert_hf_to_ckpt(args.hf_dir, args.out, args.dtype, overwrite=args.overwrite)
     except ValueError as e:

@@ -33,13 +33,11 @@ def parse_dtype(dtype: Any) -> jnp.dtype | None:
 
 
 def load_tokenizer(directory: str | Path) -> Any:
-    """The `tokenizers` tokenizer in `directory/tokenizer.json`, or None when there is none."""
-    f = Path(directory) / "tokenizer.json"
-    if not f.exists():
-        return None
-    from tokenizers import Tokenizer
+    """The tokenizer in `directory/tokenizer.json` (a `ChatTokenizer`: a `tokenizers.Tokenizer` with the
+    chat template and special tokens of tokenizer_config.json), or None when there is none."""
+    from jaxlongctx.tokenizer import ChatTokenizer
 
-    return Tokenizer.from_file(str(f))
+    return ChatTokenizer.from_directory(directory)
 
 
 def _restore(ckpt: Path, dtype: jnp.dtype | None, mesh: Mesh | None) -> Llama:
@@ -51,7 +49,7 @@ def _restore(ckpt: Path, dtype: jnp.dtype | None, mesh: Mesh | None) -> Llama:
 
 
 def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> Any:
-    """Load a model from our checkpoint or a HF model directory (converted on the fly);
+    """Load a model from our checkpoint, a HF model directory or a GGUF file (converted on the fly);
     an ARMT checkpoint (written by `ARMTModel.save`) loads as an `ARMTModel`, with the segmentation
     it was saved with.
 
@@ -59,9 +57,13 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> An
     `jaxlongctx.parallel.make_mesh`) shards them, each process reading only its shards.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"{path}: no such model directory")
     target = parse_dtype(dtype)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from convert.gguf_llama import load_gguf  # noqa: PLC0415
+
+        return load_gguf(path, target, mesh)
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such model directory (or .gguf file)")
     meta = read_metadata(path) if is_checkpoint(path) else {}
     if "armt" in meta:
         from jaxlongctx.armt import ARMTModel  # noqa: PLC0415
