@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -29,6 +31,7 @@ from tqdm import tqdm
 from jaxlongctx.checkpoint import (abstract_model, atomic_directory, read_metadata, restore_params,
                                    save_params, write_metadata)
 from jaxlongctx.config import ModelConfig
+from jaxlongctx.output_dir import OutputError, check_free_space, check_output
 from flax import nnx
 
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp32": np.float32}
@@ -162,12 +165,14 @@ def write_checkpoint(reader: Any, config: ModelConfig, out: str | Path, dtype: s
     (`reader.location`, `.shape(name)`, `.read(name)`: SafetensorsReader or a GGUF reader); every
     tensor the config needs must be there and no other. `extras` are files (name -> bytes) to add."""
     target = _target_dtype(reader, dtype)
+    skeleton = nnx.to_pure_dict(nnx.state(abstract_model(config, jnp.dtype(target))))
+    model_bytes = sum(x.size * target.itemsize for x in jax.tree.leaves(skeleton))
+    check_free_space(out, 2 * model_bytes)  # the stacking buffers and the checkpoint, side by side
     with atomic_directory(out, overwrite=overwrite, inputs=(source,)) as tmp:
         buffers = tmp / "buffers"
         buffers.mkdir()
         params = stack_params(reader, config, target, source, progress=progress,
-                              allocate=lambda name, shape: np.lib.format.open_memmap(
-                                  buffers / f"{name}.npy", mode="w+", dtype=target, shape=shape))
+                              allocate=lambda name, shape: allocated_memmap(buffers / f"{name}.npy", target, shape))
         save_params(tmp, params)
         del params
         shutil.rmtree(buffers)
@@ -202,28 +207,28 @@ def stack_params(reader: Any, config: ModelConfig, target: np.dtype, source: Pat
     skeleton = nnx.to_pure_dict(nnx.state(abstract_model(config, jnp.dtype(target))))
     allocate = allocate or (lambda name, shape: np.empty(shape, target))
     params: dict[str, Any] = {}
-    bar = tqdm(rules, desc="convert", unit="tensor", disable=not progress)
-    for rule in bar:
-        spec = _lookup(skeleton, rule.ours)
-        bar.set_postfix_str(".".join(rule.ours))
-        buf = allocate("_".join(rule.ours), spec.shape)
-        for i in range(config.num_layers) if rule.per_layer else [None]:
-            name = rule.template.format(i=i)
-            want = spec.shape[1:] if rule.per_layer else spec.shape
-            hf_want = tuple(reversed(want)) if rule.transpose else tuple(want)
-            got = reader.shape(name)
-            if got != hf_want:
-                raise ConversionError(f"{reader.location[name]}: tensor {name!r} has shape {got}, "
-                                      f"expected {hf_want} from the model config")
-            t = reader.read(name)
-            t = (t.T if rule.transpose else t).astype(target)
-            if rule.per_layer:
-                buf[i] = t
-            else:
-                buf[...] = t
-        if isinstance(buf, np.memmap):
-            buf.flush()
-        _assign(params, rule.ours, buf)
+    with tqdm(rules, desc="convert", unit="tensor", disable=not progress) as bar:  # closed on errors too
+        for rule in bar:
+            spec = _lookup(skeleton, rule.ours)
+            bar.set_postfix_str(".".join(rule.ours))
+            buf = allocate("_".join(rule.ours), spec.shape)
+            for i in range(config.num_layers) if rule.per_layer else [None]:
+                name = rule.template.format(i=i)
+                want = spec.shape[1:] if rule.per_layer else spec.shape
+                hf_want = tuple(reversed(want)) if rule.transpose else tuple(want)
+                got = reader.shape(name)
+                if got != hf_want:
+                    raise ConversionError(f"{reader.location[name]}: tensor {name!r} has shape {got}, "
+                                          f"expected {hf_want} from the model config")
+                t = reader.read(name)
+                t = (t.T if rule.transpose else t).astype(target)
+                if rule.per_layer:
+                    buf[i] = t
+                else:
+                    buf[...] = t
+            if isinstance(buf, np.memmap):
+                buf.flush()
+            _assign(params, rule.ours, buf)
     if tied_copy and not np.array_equal(reader.read("lm_head.weight").astype(target), params["embed"]):
         raise ConversionError(f"{reader.location['lm_head.weight']}: tensor 'lm_head.weight' differs from "
                               "the embedding although tie_word_embeddings is true")
@@ -235,6 +240,7 @@ def export_ckpt_to_hf(ckpt: str | Path, out: str | Path, *, overwrite: bool = Fa
     `transformers` loads; HF -> ours -> HF is bit-exact."""
     meta = read_metadata(ckpt)
     config = ModelConfig.from_dict(meta["config"])
+    check_output(out, overwrite=overwrite, inputs=(ckpt,))
     skeleton = nnx.to_pure_dict(nnx.state(abstract_model(config, jnp.dtype(meta["dtype"]))))
     params = restore_params(ckpt, skeleton)
     tensors: dict[str, np.ndarray] = {}
@@ -243,7 +249,7 @@ def export_ckpt_to_hf(ckpt: str | Path, out: str | Path, *, overwrite: bool = Fa
         for i in range(config.num_layers) if rule.per_layer else [None]:
             t = value[i] if rule.per_layer else value
             tensors[rule.template.format(i=i)] = np.ascontiguousarray(t.T if rule.transpose else t)
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with atomic_directory(out, overwrite=overwrite, kind="hf-export", inputs=(ckpt,)) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         hf_config = config.to_hf()
         hf_config["torch_dtype"] = "bfloat16" if meta["dtype"] == "bfloat16" else "float32"
@@ -252,6 +258,19 @@ def export_ckpt_to_hf(ckpt: str | Path, out: str | Path, *, overwrite: bool = Fa
             if (Path(ckpt) / extra).exists():
                 shutil.copy(Path(ckpt) / extra, tmp / extra)
     return Path(out)
+
+
+def allocated_memmap(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> np.memmap:
+    """A `.npy` file-backed buffer whose disk blocks are reserved up front, so that a full disk is an
+    OSError here rather than a SIGBUS when a page of the mapping is first written."""
+    buf = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    with open(path, "r+b") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        except OSError as e:
+            raise OutputError(f"{path}: cannot reserve {os.fstat(f.fileno()).st_size / 2**20:,.0f} MiB "
+                              f"({e.strerror})") from None
+    return buf
 
 
 def _lookup(tree: dict[str, Any], path: tuple[str, ...]) -> Any:

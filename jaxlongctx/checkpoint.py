@@ -70,6 +70,15 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def declares_checkpoint(path: str | Path) -> bool:
+    """True if `path/config.json` names our format, however broken the rest of it is."""
+    try:
+        meta = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(meta, dict) and str(meta.get("format", "")).startswith("jaxlongctx-checkpoint")
+
+
 def is_checkpoint(path: str | Path) -> bool:
     """True if `path` holds one of our checkpoints."""
     try:

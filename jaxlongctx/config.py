@@ -148,6 +148,10 @@ class ModelConfig:
         return hf
 
 
+_HF_INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+
+
 def _from_hf_dict(hf: dict[str, Any], where: str) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -163,7 +167,12 @@ def _from_hf_dict(hf: dict[str, Any], where: str) -> ModelConfig:
         raise ConfigError(f"{where}: unsupported field mlp_bias=true")
     if hf.get("pretraining_tp", 1) not in (1, None):
         raise ConfigError(f"{where}: unsupported field pretraining_tp={hf['pretraining_tp']}")
-    heads = int(hf["num_attention_heads"])
+    for key, value in hf.items():
+        if key in _HF_INTEGER_FIELDS and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{where}: field {key!r} must be an integer, got {value!r}")
+    heads = hf["num_attention_heads"]
+    if heads <= 0:
+        raise ConfigError(f"{where}: field 'num_attention_heads' must be positive, got {heads}")
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
 

@@ -9,7 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxlongctx.checkpoint import CheckpointError, is_checkpoint, load_module, read_metadata
+from jaxlongctx.checkpoint import CheckpointError, declares_checkpoint, load_module, read_metadata
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.model import Model
@@ -37,7 +37,11 @@ def load_tokenizer(directory: str | Path) -> Any:
     chat template and special tokens of tokenizer_config.json), or None when there is none."""
     from jaxlongctx.tokenizer import ChatTokenizer
 
-    return ChatTokenizer.from_directory(directory)
+    try:
+        return ChatTokenizer.from_directory(directory)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
+        raise CheckpointError(f"{Path(directory) / 'tokenizer.json'}: not a readable tokenizer "
+                              f"({type(e).__name__}: {e})") from None
 
 
 def _restore(ckpt: Path, dtype: jnp.dtype | None, mesh: Mesh | None) -> Llama:
@@ -64,7 +68,7 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> An
         return load_gguf(path, target, mesh)
     if not path.is_dir():
         raise ValueError(f"{path}: no such model directory (or .gguf file)")
-    meta = read_metadata(path) if is_checkpoint(path) else {}
+    meta = read_metadata(path) if declares_checkpoint(path) else {}  # ours: its errors, not the HF reader's
     if "armt" in meta:
         from jaxlongctx.armt import ARMTModel  # noqa: PLC0415
 
@@ -72,7 +76,7 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> An
         armt.tokenizer = armt.base.tokenizer = load_tokenizer(path)
         armt.segmentation = meta.get("segmentation", "fixed")  # as saved (checkpoints before it: the grid)
         return armt
-    if is_checkpoint(path):
+    if meta:
         module = _restore(path, target, mesh)
     elif (path / "config.json").exists():
         from convert.hf_llama import convert_hf_to_ckpt  # noqa: PLC0415

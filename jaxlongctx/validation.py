@@ -52,3 +52,13 @@ def check_positive_int(value: Any, name: str, *, allow_zero: bool = False) -> in
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
     return int(value)
+
+
+def check_text(text: str, name: str) -> str:
+    """`text` if it is valid Unicode (a command-line argument in another encoding arrives with
+    unpaired surrogates), else ValueError naming the argument."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid UTF-8 text") from None
+    return text
