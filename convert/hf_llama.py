@@ -221,6 +221,8 @@ def stack_params(reader: Any, config: ModelConfig, target: np.dtype, source: Pat
                     raise ConversionError(f"{reader.location[name]}: tensor {name!r} has shape {got}, "
                                           f"expected {hf_want} from the model config")
                 t = reader.read(name)
+                if not np.isfinite(t).all():
+                    raise ConversionError(f"{reader.location[name]}: tensor {name!r} holds NaN or infinite values")
                 t = (t.T if rule.transpose else t).astype(target)
                 if rule.per_layer:
                     buf[i] = t

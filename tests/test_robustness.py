@@ -247,6 +247,20 @@ def test_config_not_matching_the_stored_tensors_is_refused(ckpt, tmp_path, field
         load(bad)
 
 
+def test_weights_with_nan_are_refused_at_import(hf_dir, tmp_path, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "hf_nan"
+    shutil.copytree(hf_dir, bad)
+    tensors = load_file(bad / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name][3, 5] = np.nan
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    assert main(["convert", "--hf-dir", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert f"tensor {name!r} holds NaN" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf"), 1e-45, -1.0])
 def test_degenerate_temperature_is_refused(ckpt, temperature):
     from jaxlongctx.generate import generate
