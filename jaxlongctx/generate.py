@@ -108,10 +108,11 @@ class Request:
         return ids, mask
 
     def decode(self, logits: jnp.ndarray, state: Any, step: Callable, *, progress: bool = False,
-               desc: str = "decode", timings: dict | None = None) -> np.ndarray:
+               desc: str = "decode", timings: dict | None = None, stream: Callable | None = None) -> np.ndarray:
         """Run `step(state, logits, key, done, i) -> (ids, done, logits, state)` up to `max_new_tokens`
         times (stopping early once every row is done); returns ids `[B, T + new]`. `timings`, if
-        given, receives `decode_s` and `decode_steps` (from ready logits to the last token)."""
+        given, receives `decode_s` and `decode_steps` (from ready logits to the last token);
+        `stream`, if given, is called with each step's ids `[B]` (numpy) as soon as they are chosen."""
         t0 = time.perf_counter()
         done = jnp.zeros((self.ids.shape[0],), bool)
         keys = jax.random.split(jax.random.key(self.seed), self.max_new_tokens)
@@ -122,7 +123,11 @@ class Request:
             else:  # the last token is only chosen: no forward pass whose logits nobody reads
                 tok, done = _final_choice(*self.static_key)(logits, keys[i], done)
             out.append(tok)
-            if (i + 1) % _ALL_DONE_CHECK_EVERY == 0 and bool(done.all()):
+            if stream is not None:
+                stream(np.asarray(tok))  # the host waits for every token anyway: stop as soon as all are done
+                if bool(done.all()):
+                    break
+            elif (i + 1) % _ALL_DONE_CHECK_EVERY == 0 and bool(done.all()):
                 break
         new = np.stack([np.asarray(x) for x in out], axis=1)
         if timings is not None:
@@ -135,12 +140,14 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
              top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_id: int | list[int] | None = None, attention_mask: Any = None,
              progress: bool = False, kv_cache: str = "dense", codebooks: Any = None, pq_window: int = 128,
-             keep_prompt_tail_exact: bool = False, timings: dict | None = None) -> np.ndarray:
+             keep_prompt_tail_exact: bool = False, timings: dict | None = None,
+             stream: Callable[[np.ndarray], Any] | None = None) -> np.ndarray:
     """Generate `max_new_tokens` after `ids [B, T]`; returns ids `[B, T + new]` (greedy by default).
 
     Rows stop independently at `eos_id` (default: the config's eos) and are then filled with it.
     kv_cache="pq" decodes over a product-quantized cache (`codebooks`, see jaxlongctx.pq_generate).
-    `timings` (a dict) receives `prefill_s`, `decode_s` and `decode_steps`.
+    `timings` (a dict) receives `prefill_s`, `decode_s` and `decode_steps`. `stream` (dense and PQ
+    caches) is called with each new token's ids `[B]` as it is generated, e.g. a `jaxlongctx.tokenizer.TextStream`.
     """
     if kv_cache != "dense":  # checks kv_cache, the model (no ARMT) and the codebooks
         from jaxlongctx.pq_generate import generate_pq
@@ -148,8 +155,10 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
         return generate_pq(model, ids, max_new_tokens, kv_cache=kv_cache, codebooks=codebooks, window=pq_window,
                            keep_prompt_tail_exact=keep_prompt_tail_exact, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress,
-                           timings=timings)
+                           timings=timings, stream=stream)
     if hasattr(model, "generate_ids"):  # models with their own decoding (e.g. ARMT) plug in here
+        if stream is not None:
+            raise ValueError("stream= is not supported for ARMT models; generate and decode the ids instead")
         return model.generate_ids(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                   seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress,
                                   timings=timings)
@@ -173,7 +182,7 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
     def run(cache, logits, key, done, i):
         return step(model.params, cache, logits, key, done, positions + i, jnp.int32(prompt_len + i))
 
-    return req.decode(logits, cache, run, progress=progress, timings=timings)
+    return req.decode(logits, cache, run, progress=progress, timings=timings, stream=stream)
 
 
 # Below this, logits / temperature overflows float32 and sampling degenerates (every id 0).

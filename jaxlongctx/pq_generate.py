@@ -104,7 +104,7 @@ def generate_pq(model: Any, ids: Any, max_new_tokens: int, *, kv_cache: str = "p
                 window: int = DEFAULT_WINDOW, keep_prompt_tail_exact: bool = False, temperature: float = 0.0,
                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                 eos_id: int | list[int] | None = None, attention_mask: Any = None, progress: bool = False,
-                backend: str = "auto", timings: dict | None = None) -> np.ndarray:
+                backend: str = "auto", timings: dict | None = None, stream: Any = None) -> np.ndarray:
     """`generate` with a PQ-compressed KV cache; same arguments and result (ids `[B, T + new]`)."""
     if kv_cache != "pq":
         raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
@@ -127,7 +127,7 @@ def generate_pq(model: Any, ids: Any, max_new_tokens: int, *, kv_cache: str = "p
     def run(cache, logits, key, done, i):
         return step(model.params, k_cent, v_cent, cache, logits, key, done, positions + i)
 
-    return req.decode(logits, cache, run, progress=progress, desc="decode (pq)", timings=timings)
+    return req.decode(logits, cache, run, progress=progress, desc="decode (pq)", timings=timings, stream=stream)
 
 
 def _compiled(model: Model, capacity: int, window: int, keep_tail: bool, sampler: tuple, eos: tuple,

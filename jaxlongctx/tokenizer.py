@@ -112,7 +112,8 @@ class ChatTokenizer:
 
 class TextStream:
     """Turns generated ids, fed one step at a time, into text pieces for `emit` (e.g. a print):
-    each piece is what decoding all ids so far adds, held back while it ends in a partial character."""
+    each piece is what decoding all ids so far adds, held back while it ends in a partial character
+    (call `flush` after the last step)."""
 
     def __init__(self, tokenizer: Any, emit: Callable[[str], None], stop_ids: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
@@ -133,6 +134,13 @@ class TextStream:
         self.ids.append(tok)
         text = self.tokenizer.decode(self.ids)
         if not text.endswith("\ufffd") and len(text) > len(self._shown) and text.startswith(self._shown):
+            self.emit(text[len(self._shown):])
+            self._shown = text
+
+    def flush(self) -> None:
+        """Emit what is still held back (a partial character at the end of generation)."""
+        text = self.text
+        if len(text) > len(self._shown) and text.startswith(self._shown):
             self.emit(text[len(self._shown):])
             self._shown = text
 

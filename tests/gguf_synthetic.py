@@ -7,6 +7,7 @@ conventions rather than its own tables.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,8 @@ def encode_tensor(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[
 
 
 def write_gguf(path: Path, arch: str, weights: dict[str, np.ndarray], qtype: str = "F32", *,
-               tokenizer: dict | None = None, arch_name: str | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+               tokenizer: dict | None = None, arch_name: str | None = None, seed: int = 0,
+               context_length: int = 2048) -> dict[str, np.ndarray]:
     """Write `weights` (HF names) as a GGUF of `arch` with 2-D weights in `qtype` (norms and biases
     F32); `tokenizer` adds `tokenizer.*` metadata (keys: model, pre, tokens, types, merges, scores,
     bos, eos, pad, add_bos, chat_template). Returns the raw data written per GGUF name."""
@@ -105,7 +107,7 @@ def write_gguf(path: Path, arch: str, weights: dict[str, np.ndarray], qtype: str
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch_name or arch)
     writer.add_block_count(s["layers"])
-    writer.add_context_length(2048)
+    writer.add_context_length(context_length)
     writer.add_embedding_length(s["hidden"])
     writer.add_feed_forward_length(s["intermediate"])
     writer.add_head_count(s["heads"])
@@ -154,3 +156,27 @@ def _add_tokenizer(writer, tok: dict) -> None:
         writer.add_add_bos_token(tok["add_bos"])
     if "chat_template" in tok:
         writer.add_chat_template(tok["chat_template"])
+
+
+CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+                 "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                 "{% endif %}")
+
+
+def gpt2_chat_tokenizer(texts: list[str]) -> dict:
+    """`write_gguf` tokenizer metadata: a byte-level BPE vocabulary of VOCAB tokens trained with
+    `tokenizers` on `texts` (and the json package's source), with chat tokens and template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(texts) * 3 + [Path(json.__file__).read_text()], trainer)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab] + [f"<unused{i}>" for i in range(VOCAB - len(vocab))]
+    types = [3 if t in specials else 5 if t.startswith("<unused") else 1 for t in tokens]
+    merges = [" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    return dict(model="gpt2", pre="default", tokens=tokens, types=types, merges=merges, bos=1, eos=2, pad=0,
+                add_bos=False, chat_template=CHAT_TEMPLATE)

