@@ -3,10 +3,15 @@
 One table (`LOGICAL_AXES`) maps the logical axes of parameters, KV caches and activations to
 mesh axes. Column-parallel weights (q/k/v by heads, MLP gate/up, LM head by vocabulary) are
 split along their output, row-parallel ones (attention output, MLP down) along their input; the
-row-parallel contractions name their output sharding (`sharding_like`), which makes XLA
+row-parallel contractions name their output sharding (`matmul`), which makes XLA
 insert one all-reduce per column/row pair. The embedding is vocab-parallel (`embed_lookup`); a
 vocabulary that does not divide by tp is replicated instead. `shard_map` appears only around the
 Pallas PQ kernel. Everything here is a no-op for unsharded (single-device) arrays.
+
+More devices than kv heads (tp = K * R): `fit_mesh` splits the tensor axis into `tp` (K device
+groups, one per kv head) and `kv_rep` (the R devices of a group). Every tensor-parallel axis is then
+split over both, except the kv heads (k/v weights and caches), which are split over `tp` only: each
+kv head is replicated on the R devices whose query heads read it, as vLLM does.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlongctx.config import ModelConfig
 
 DATA, TENSOR = "dp", "tp"  # mesh axis names
+KV_REPLICA = "kv_rep"  # the devices sharing one kv head, when tp exceeds the kv heads (see `fit_mesh`)
 
 # Logical axis -> mesh axis (None = replicated). The only place sharding decisions are made.
 LOGICAL_AXES: dict[str, str | None] = {
@@ -90,33 +96,66 @@ def make_mesh(tp: int = 1, dp: int = 1, devices: list[Any] | None = None) -> Mes
                          devices=devices[:dp * tp])
 
 
-def logical_spec(axes: tuple[str | None, ...], rows: str | None = LOGICAL_AXES["batch"]) -> P:
+def tensor_size(mesh: Mesh) -> int:
+    """The tensor-parallel degree tp of a mesh (its `tp` axis times its `kv_rep` axis, if any)."""
+    return mesh.shape[TENSOR] * dict(mesh.shape).get(KV_REPLICA, 1)
+
+
+def logical_spec(axes: tuple[str | None, ...], rows: str | None = LOGICAL_AXES["batch"],
+                 mesh: Mesh | None = None) -> P:
     """The `PartitionSpec` of logical axes under `LOGICAL_AXES`, the batch axis mapped to `rows`
-    (e.g. None where dp does not divide the batch)."""
-    return P(*(rows if a == "batch" else None if a is None else LOGICAL_AXES[a] for a in axes))
+    (e.g. None where dp does not divide the batch). On a `mesh` with a `kv_rep` axis, tensor-parallel
+    axes other than the kv heads are split over (`tp`, `kv_rep`)."""
+    replicas = mesh is not None and KV_REPLICA in mesh.axis_names
+
+    def mesh_axes(a: str | None) -> Any:
+        if a is None:
+            return None
+        if a == "batch":
+            return rows
+        if replicas and LOGICAL_AXES[a] == TENSOR and a != "kv_heads":
+            return (TENSOR, KV_REPLICA)
+        return LOGICAL_AXES[a]
+
+    return P(*(mesh_axes(a) for a in axes))
 
 
 def check_divisible(config: ModelConfig, mesh: Mesh) -> None:
-    """Refuse configs whose heads or MLP width do not split evenly over the tensor axis."""
-    tp = mesh.shape[TENSOR]
-    for name, size in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
-                       ("intermediate_size", config.intermediate_size)):
+    """Refuse configs whose heads or MLP width do not split evenly over the tensor axis, and kv heads
+    that neither split over it nor replicate evenly across it."""
+    tp = tensor_size(mesh)
+    for name, size in (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
         if size % tp:
-            hint = (" (kv heads are not replicated across tensor-parallel devices: use tp <= num_kv_heads "
-                    "and a divisor of it)") if name == "num_kv_heads" else ""
-            raise ValueError(f"tensor parallelism tp={tp} needs {name} divisible by {tp}, got {size}{hint}")
+            raise ValueError(f"tensor parallelism tp={tp} needs {name} divisible by {tp}, got {size}")
+    kv = config.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"tensor parallelism tp={tp} needs num_kv_heads={kv} to divide tp (each kv head then "
+                         f"replicated on tp / num_kv_heads devices) or to be divisible by it")
+
+
+def fit_mesh(mesh: Mesh, config: ModelConfig) -> Mesh:
+    """`mesh` checked against `config`; with more tensor-parallel devices than kv heads (tp = K * R) the
+    same devices as a `(dp, tp=K, kv_rep=R)` mesh, so that each kv head lives on the R devices that
+    hold its query heads. Unchanged otherwise."""
+    check_divisible(config, mesh)
+    tp, kv = tensor_size(mesh), config.num_kv_heads
+    if KV_REPLICA in mesh.axis_names or tp <= kv:
+        return mesh
+    devices = mesh.devices.reshape(mesh.shape[DATA], kv, tp // kv)
+    return Mesh(devices, (DATA, TENSOR, KV_REPLICA), axis_types=(AxisType.Explicit,) * 3)
 
 
 def _vocab_split(config: ModelConfig, mesh: Mesh) -> bool:
     """True when the vocabulary is split over tp (else the embedding and head are replicated)."""
-    return config.vocab_size % mesh.shape[TENSOR] == 0
+    return config.vocab_size % tensor_size(mesh) == 0
 
 
 def param_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, Any]:
-    """`NamedSharding`s matching `nnx.to_pure_dict` of a `Llama` state with this config."""
+    """`NamedSharding`s matching `nnx.to_pure_dict` of a `Llama` state with this config (on
+    `fit_mesh(mesh, config)`)."""
     from jaxlongctx.checkpoint import abstract_model  # noqa: PLC0415 (the model imports this module)
 
-    check_divisible(config, mesh)
+    mesh = fit_mesh(mesh, config)
     pure = nnx.to_pure_dict(nnx.state(abstract_model(config, jnp.float32)))
     split_vocab = _vocab_split(config, mesh)
 
@@ -129,7 +168,7 @@ def param_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, Any]:
             raise ValueError(f"parameter {jax.tree_util.keystr(path)} has rank {leaf.ndim}, PARAM_AXES says {axes}")
         if not split_vocab:
             axes = tuple(None if a == "vocab" else a for a in axes)
-        return NamedSharding(mesh, logical_spec(axes))
+        return NamedSharding(mesh, logical_spec(axes, mesh=mesh))
 
     return jax.tree_util.tree_map_with_path(spec, pure)
 
@@ -154,8 +193,9 @@ def shard_model(model: Any, mesh: Mesh) -> Any:
 
 
 def memory_shardings(mesh: Mesh, pure: dict[str, Any]) -> dict[str, NamedSharding]:
-    """`NamedSharding`s of ARMT memory parameters (a pure dict keyed by `MEMORY_PARAM_AXES` names)."""
-    return {name: NamedSharding(mesh, logical_spec(MEMORY_PARAM_AXES[name])) for name in pure}
+    """`NamedSharding`s of ARMT memory parameters (a pure dict keyed by `MEMORY_PARAM_AXES` names) on the
+    model's (fitted) mesh."""
+    return {name: NamedSharding(mesh, logical_spec(MEMORY_PARAM_AXES[name], mesh=mesh)) for name in pure}
 
 
 def shard_memory(memory: Any, mesh: Mesh) -> None:
@@ -170,7 +210,7 @@ def memory_state_shardings(mesh: Mesh, batch: int) -> dict[str, NamedSharding]:
     """Shardings of the ARMT memory state `{"A": ..., "z": ...}` for `batch` rows (split over dp when
     it divides the batch) with A's value columns over tp."""
     rows = batch_sharding(mesh, (batch,)).spec[0]
-    return {name: NamedSharding(mesh, logical_spec(axes, rows)) for name, axes in MEMORY_STATE_AXES.items()}
+    return {name: NamedSharding(mesh, logical_spec(axes, rows, mesh)) for name, axes in MEMORY_STATE_AXES.items()}
 
 
 def mesh_of(tree: Any) -> Mesh | None:
@@ -206,6 +246,16 @@ def sharding_like(like: jax.Array) -> NamedSharding | None:
     batch split, features whole), so row-parallel products all-reduce; None when `like` is not on a mesh."""
     sharding = jax.typeof(like).sharding
     return None if sharding.mesh.empty else sharding
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x [..., in] @ w [in, out]`. When `in` is split over a mesh axis (a row-parallel product) the
+    partial sums are all-reduced: the output keeps x's leading layout and takes w's `out` layout."""
+    x_type = jax.typeof(x)
+    if x_type.sharding.mesh.empty or x_type.sharding.spec[-1] is None:
+        return x @ w
+    spec = (*x_type.sharding.spec[:-1], jax.typeof(w).sharding.spec[-1])
+    return jnp.matmul(x, w, out_sharding=NamedSharding(x_type.sharding.mesh, P(*spec)))
 
 
 def reshard_like(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -248,6 +298,15 @@ def per_kv_shard(fn: Callable[..., Any], out_specs: Any, *args: Any) -> Any:
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
 
 
+def _kv_axes(q_heads: Any) -> Any:
+    """The mesh axes of the kv heads that go with query heads split over `q_heads` (kv heads are not
+    split over `kv_rep`)."""
+    if not isinstance(q_heads, tuple):
+        return q_heads
+    rest = tuple(a for a in q_heads if a != KV_REPLICA)
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
 def sharded_pq_decode_attention(q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_cent: jax.Array,
                                 v_cent: jax.Array, lengths: jax.Array, k_res: jax.Array, v_res: jax.Array,
                                 res_lengths: jax.Array, scale: float, *, backend: str = "auto") -> jax.Array:
@@ -263,14 +322,15 @@ def sharded_pq_decode_attention(q: jax.Array, k_codes: jax.Array, v_codes: jax.A
         return kernel(*args)
     specs = tuple(jax.typeof(a).sharding.spec for a in args)
     batch, heads = specs[0][0], specs[0][1]
-    expected = {"k_codes": (1, 1, heads), "v_codes": (2, 1, heads), "k_res": (6, 1, heads),
-                "v_res": (7, 1, heads), "lengths": (5, 0, batch), "res_lengths": (8, 0, batch)}
+    kv_heads = _kv_axes(heads)  # a device's query heads all read the kv head(s) it holds
+    expected = {"k_codes": (1, 1, kv_heads), "v_codes": (2, 1, kv_heads), "k_res": (6, 1, kv_heads),
+                "v_res": (7, 1, kv_heads), "lengths": (5, 0, batch), "res_lengths": (8, 0, batch)}
     if k_cent.ndim == 4:
-        expected.update({"k_cent": (3, 0, heads), "v_cent": (4, 0, heads)})
+        expected.update({"k_cent": (3, 0, kv_heads), "v_cent": (4, 0, kv_heads)})
     for name, (i, dim, axis) in expected.items():
         if specs[i][dim] != axis:
             raise ValueError(f"sharded_pq_decode_attention: {name} dim {dim} is sharded {specs[i][dim]!r}, but "
-                             f"q's {'batch' if dim == 0 else 'heads'} are sharded {axis!r}")
+                             f"q's {'batch' if dim == 0 else 'heads'} need {axis!r}")
     # check_vma=False: pallas_call outputs carry no varying-axes types; nothing here communicates
     return jax.shard_map(kernel, mesh=q_sharding.mesh, in_specs=specs, out_specs=P(batch, heads, None),
                          check_vma=False)(*args)

@@ -14,8 +14,9 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, first_layer: jax.Array | int,
-                             num_active: jax.Array | int) -> jax.Array:
-    """Plain-jnp oracle: y[g] = x[g] @ w[first_layer + g] for g < num_active, else 0 (fp32 accumulation)."""
+                             num_active: jax.Array | int, out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """Plain-jnp oracle: y[g] = x[g] @ w[first_layer + g] for g < num_active, else 0 (fp32 accumulation,
+    returned in `out_dtype`, default x.dtype)."""
     num_groups, num_layers = x.shape[0], w.shape[0]
     groups = jnp.arange(num_groups, dtype=jnp.int32)
     layers = jnp.clip(jnp.asarray(first_layer, jnp.int32) + groups, 0, num_layers - 1)  # [G]
@@ -23,7 +24,7 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, first_layer: jax.Array 
     y = jnp.einsum("gtk,gkn->gtn", x, w_g, preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST)  # [G T N]; no TF32 on GPU: this is the oracle
     active = groups < jnp.asarray(num_active, jnp.int32)  # [G]
-    return jnp.where(active[:, None, None], y, 0.0).astype(x.dtype)
+    return jnp.where(active[:, None, None], y, 0.0).astype(out_dtype or x.dtype)
 
 
 def _check_inputs(x: jax.Array, w: jax.Array, first_layer: jax.Array | int,
@@ -51,20 +52,21 @@ def _check_inputs(x: jax.Array, w: jax.Array, first_layer: jax.Array | int,
                              f"num_active={num_active}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _grouped_matmul_pallas_vjp(x: jax.Array, w: jax.Array, first_layer: jax.Array, num_active: jax.Array,
-                               interpret: bool) -> jax.Array:
+                               out_dtype: jnp.dtype, interpret: bool) -> jax.Array:
     """Pallas forward with a Pallas backward (dx on transposed weights, dw per group)."""
-    return grouped_matmul_pallas(x, w, first_layer, num_active, interpret=interpret)
+    return grouped_matmul_pallas(x, w, first_layer, num_active, out_dtype=out_dtype, interpret=interpret)
 
 
-def _fwd(x: jax.Array, w: jax.Array, first_layer: jax.Array, num_active: jax.Array,
+def _fwd(x: jax.Array, w: jax.Array, first_layer: jax.Array, num_active: jax.Array, out_dtype: jnp.dtype,
          interpret: bool) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    y = grouped_matmul_pallas(x, w, first_layer, num_active, interpret=interpret)
+    y = grouped_matmul_pallas(x, w, first_layer, num_active, out_dtype=out_dtype, interpret=interpret)
     return y, (x, w, first_layer, num_active)
 
 
-def _bwd(interpret: bool, residuals: tuple[jax.Array, ...], dy: jax.Array) -> tuple[jax.Array | None, ...]:
+def _bwd(out_dtype: jnp.dtype, interpret: bool, residuals: tuple[jax.Array, ...],
+         dy: jax.Array) -> tuple[jax.Array | None, ...]:
     x, w, first_layer, num_active = residuals
     # dx[g] = dy[g] @ w[first + g]^T: same kernel, weights read transposed in-kernel.
     dx = grouped_matmul_pallas(dy, w, first_layer, num_active, trans_b=True, out_dtype=x.dtype,
@@ -81,12 +83,16 @@ _grouped_matmul_pallas_vjp.defvjp(_fwd, _bwd)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, first_layer: jax.Array | int, num_active: jax.Array | int,
-                   *, backend: Backend = "auto") -> jax.Array:
-    """y[g] = x[g] @ w[first_layer + g] for g < num_active (zero rows after); x [G T K], w [L K N] -> [G T N]."""
+                   *, backend: Backend = "auto", out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """y[g] = x[g] @ w[first_layer + g] for g < num_active (zero rows after); x [G T K], w [L K N] -> [G T N]
+    in `out_dtype` (default x.dtype; accumulation is fp32 either way)."""
     resolved = resolve_backend(backend)
     _check_inputs(x, w, first_layer, num_active)
     first_layer = jnp.asarray(first_layer, jnp.int32)
     num_active = jnp.asarray(num_active, jnp.int32)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if out_dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"grouped_matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
     if resolved == "xla":
-        return grouped_matmul_reference(x, w, first_layer, num_active)
-    return _grouped_matmul_pallas_vjp(x, w, first_layer, num_active, resolved == "interpret")
+        return grouped_matmul_reference(x, w, first_layer, num_active, out_dtype)
+    return _grouped_matmul_pallas_vjp(x, w, first_layer, num_active, out_dtype, resolved == "interpret")

@@ -2,6 +2,7 @@
 
     python tests/parallel_worker.py meshes OUT.json            # needs 8 fake devices (set by the caller)
     python tests/parallel_worker.py armt OUT.json              # ARMT schedules on a tp=2 mesh
+    python tests/parallel_worker.py kv_replicas OUT.json tokens|logits K:TP ...  # tp past the kv heads K
     python tests/parallel_worker.py process PORT NPROC RANK CKPT OUT.json  # one process of a multi-process run
 
 Each command writes its measurements as JSON; the test compares them with single-device results.
@@ -9,6 +10,7 @@ Each command writes its measurements as JSON; the test compares them with single
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -111,9 +113,9 @@ def forward_collectives(model: jaxlongctx.Model) -> dict[str, Any]:
     return counts
 
 
-def prefill_cache_spec(model: jaxlongctx.Model) -> str:
-    """PartitionSpec of the dense KV cache that prefill builds on the model's mesh."""
-    ids, mask = sample_inputs()
+def prefill_cache(model: jaxlongctx.Model) -> DenseCache:
+    """The dense KV cache that prefill builds on the model's mesh (checked to be laid out as `cache_sharding`)."""
+    ids, mask = sample_inputs(model.config)
 
     def fill(params, ids, mask):
         _, (k, v) = forward_hidden(model.merge(params), ids, mask, collect_kv=True)
@@ -121,7 +123,12 @@ def prefill_cache_spec(model: jaxlongctx.Model) -> str:
 
     cache = jax.jit(fill)(model.params, put_batch(ids, model.mesh), put_batch(mask, model.mesh))
     assert cache.k.sharding.is_equivalent_to(cache_sharding(model.mesh), cache.k.ndim), cache.k.sharding
-    return str(cache.k.sharding.spec)
+    return cache
+
+
+def prefill_cache_spec(model: jaxlongctx.Model) -> str:
+    """PartitionSpec of the dense KV cache that prefill builds on the model's mesh."""
+    return str(prefill_cache(model).k.sharding.spec)
 
 
 def run_meshes() -> dict[str, Any]:
@@ -324,6 +331,56 @@ def run_armt() -> dict[str, Any]:
     return out
 
 
+def run_kv_replicas(combos: list[tuple[int, int]], tokens: bool) -> dict[str, Any]:
+    """For each (kv heads K, tp): a 16-head model with K kv heads on a tp mesh (kv heads replicated when
+    tp > K) against one device: dense logits, PQ teacher-forced logits, ARMT diagonal logits (and greedy
+    tokens of all three if `tokens`), and how many kv heads each device holds in the caches."""
+    from jaxlongctx.armt.config import ARMTConfig
+    from jaxlongctx.armt.diagonal import PIPELINE_ALWAYS
+    from jaxlongctx.kvcache.calibrate import calibrate
+
+    window, out = 4, {}
+    forced = np.random.default_rng(6).integers(3, CFG.vocab_size, (4, 6)).astype(np.int32)
+
+    def outputs(model: jaxlongctx.Model, codebooks: Any) -> dict[str, Any]:
+        """name -> (logits, greedy tokens or None) for dense, PQ and ARMT, and the ARMT model and PQ cache."""
+        ids, mask = sample_inputs(model.config)
+        armt = model.with_armt(ARMTConfig(segment_size=4, num_mem_tokens=2, d_mem=4), jax.random.key(0))
+        armt.cpu_execution = PIPELINE_ALWAYS  # this short input would otherwise run in sequential order
+        armt.randomize_memory_params(jax.random.key(1), 0.5)
+        pq = {"kv_cache": "pq", "codebooks": codebooks, "pq_window": window}
+        greedy = lambda m, **kw: (jaxlongctx.generate(m, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1, **kw)  # noqa: E731
+                                  if tokens else None)
+        pq_logits, pq_cache = pq_teacher_forced(model, codebooks, ids, mask, forced, window)
+        armt_logits, armt_state = armt.run(ids, mask)
+        return {"dense": (np.asarray(model(ids, mask)), greedy(model)), "pq": (pq_logits, greedy(model, **pq)),
+                "armt": (np.asarray(armt_logits), greedy(armt)), "pq_cache": pq_cache, "armt_state": armt_state}
+
+    for kv in sorted({k for k, _ in combos}):
+        base = make_model(dataclasses.replace(CFG, num_kv_heads=kv, num_layers=1))
+        cb = calibrate(base, np.random.default_rng(5).integers(3, CFG.vocab_size, 512), ds=2, bits=4,
+                       granularity="layer_head", iters=2, seq_len=64, max_tokens=256)
+        want = outputs(base, cb)
+        for tp in (t for k, t in combos if k == kv):
+            model = shard_model(base, make_mesh(tp=tp))
+            got = outputs(model, cb)
+            row: dict[str, Any] = {
+                "mesh": dict(model.mesh.shape),
+                "wq_spec": str(model.module.layers.wq[...].sharding.spec),
+                "wk_spec": str(model.module.layers.wk[...].sharding.spec),
+                "wv_local_heads": model.module.layers.wv[...].addressable_shards[0].data.shape[-1] // CFG.head_dim,
+                "dense_cache_local_heads": prefill_cache(model).k.addressable_shards[0].data.shape[2],
+                "pq_codes_local_heads": got["pq_cache"].k_codes.addressable_shards[0].data.shape[2],
+                "armt_A_spec": str(got["armt_state"].A.sharding.spec),
+            }
+            for name in ("dense", "pq", "armt"):
+                row[f"{name}_logit_max_diff"] = float(np.abs(got[name][0] - want[name][0]).max())
+                if tokens:
+                    row[f"{name}_tokens_equal"] = bool((got[name][1] == want[name][1]).all())
+            out[f"kv{kv}xtp{tp}"] = row
+    return out
+
+
 def run_process(port: int, nproc: int, rank: int, ckpt: str) -> dict[str, Any]:
     """One process of a multi-process run: load `ckpt` with tp over every process's devices (each
     process restoring only its shards), then logits + greedy tokens."""
@@ -346,6 +403,9 @@ def main(argv: list[str]) -> None:
         result, out = run_meshes(), argv[1]
     elif argv[0] == "armt":
         result, out = run_armt(), argv[1]
+    elif argv[0] == "kv_replicas":
+        combos = [tuple(int(x) for x in c.split(":")) for c in argv[3:]]
+        result, out = run_kv_replicas(combos, argv[2] == "tokens"), argv[1]
     elif argv[0] == "process":
         port, nproc, rank = (int(x) for x in argv[1:4])
         result, out = run_process(port, nproc, rank, argv[4]), argv[5]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlongctx.armt import ARMTConfig
+from jaxlongctx.armt import ARMTConfig, DiagonalProjections
 from jaxlongctx.armt.diagonal import PIPELINE_ALWAYS, CPUExecution, computed_cells, fixed_buffer_waste, plan
 from jaxlongctx.armt.segments import compact, segment
 from jaxlongctx.armt.sequential import TRACES
@@ -178,3 +178,108 @@ def test_bf16_state_schedules_agree():
     assert sd.A.dtype == jnp.bfloat16
     assert float(jnp.abs(ls - ld).max()) <= 1e-3
     assert _rel(sd.A, ss.A) <= 1e-2
+
+
+# --- the grouped-GEMM diagonal step (jaxlongctx.armt.projections) -------------------------------------
+GROUPED_INTERPRET = DiagonalProjections("grouped_matmul", "interpret")  # the Pallas kernel, interpreted on CPU
+
+
+def _forward_and_grads(armt, segs, schedule):
+    """Logits, final memory and parameter gradients of a next-token loss, in one compiled call."""
+    def loss(params):
+        state, logits = armt.run_segments(params, segs, schedule)
+        logp = jax.nn.log_softmax(logits, -1)
+        return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(segs.ids)[..., None], -1)), (logits, state)
+
+    (_, (logits, state)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(armt.params)
+    return logits, state, grads
+
+
+def _assert_schedules_agree(got, want):
+    (lg, sg, gg), (lw, sw, gw) = got, want
+    assert float(jnp.abs(lg - lw).max()) <= 1e-4
+    assert _rel(sg.A, sw.A) <= 1e-5 and _rel(sg.z, sw.z) <= 1e-5
+    assert float(jnp.abs(sw.A).max()) > 0  # the memory was written
+    for a, b in zip(jax.tree.leaves(gg), jax.tree.leaves(gw), strict=True):
+        assert _rel(a, b) <= 1e-4
+
+
+def test_grouped_matmul_diagonal_equals_sequential():
+    """The Pallas grouped GEMM (interpreted) in every product of the diagonal step and its backward: 2
+    layers, a ramp-up step (layer 0 alone), a full step and a ramp-down step (first layer 1); the second
+    row is one short segment, so its second segment is padding; logits, memory and gradients equal the
+    sequential schedule's."""
+    armt = make_armt(layers=2)
+    ids = RNG.integers(0, VOCAB, (2, 13))
+    segs = segment(*compact(ids, np.arange(13)[None] < np.array([[13], [6]]))[:2], armt.armt.segment_size)
+    want = _forward_and_grads(armt, segs, "sequential")
+    armt.projections = GROUPED_INTERPRET
+    _assert_schedules_agree(_forward_and_grads(armt, segs, "diagonal"), want)
+
+
+@pytest.mark.parametrize("length", [45, pytest.param(16, marks=pytest.mark.slow),
+                                    pytest.param(90, marks=pytest.mark.slow)])
+def test_grouped_structure_equals_sequential(length):
+    """The grouped step with the kernel's XLA reference (fast to compile): group slicing, first layers
+    and the per-layer vectors broadcast over the group axis, on 3 layers: S > L with a short last
+    segment (ramp-up, full and ramp-down steps), S < L, and full steps in scanned chunks."""
+    armt = shared_armt()
+    ids = RNG.integers(0, VOCAB, (2, length))
+    ls, ss = armt.run(ids, schedule="sequential")
+    armt.projections = DiagonalProjections("grouped_matmul", "xla")
+    try:
+        ld, sd = armt.run(ids, schedule="diagonal")
+    finally:
+        armt.projections = "auto"
+    assert float(jnp.abs(ls - ld).max()) <= 1e-4
+    assert _rel(sd.A, ss.A) <= 1e-5 and _rel(sd.z, ss.z) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [16, 24, 45, 90])
+def test_grouped_matmul_diagonal_sweep(length):
+    armt = make_armt()
+    ids = RNG.integers(0, VOCAB, (2, length))
+    segs = segment(*compact(ids, np.ones(ids.shape, bool))[:2], armt.armt.segment_size)
+    want = _forward_and_grads(armt, segs, "sequential")
+    armt.projections = GROUPED_INTERPRET
+    _assert_schedules_agree(_forward_and_grads(armt, segs, "diagonal"), want)
+
+
+@pytest.mark.slow
+def test_grouped_matmul_bf16_stream_equals_one_shot():
+    """bf16 weights through the interpreted kernel: streaming equals the one-shot call, and both stay
+    close to the vmapped path (the products round the same way, only the summation order differs)."""
+    armt = make_armt(dtype=jnp.bfloat16)
+    ids = RNG.integers(0, VOCAB, (1, 40))
+    vmapped = armt(ids)
+    armt.projections = GROUPED_INTERPRET
+    one_shot = armt(ids)
+    state, outs = armt.init_state(1), []
+    for start in range(0, 40, 11):
+        state, out = armt.feed(state, ids[:, start:start + 11])
+        outs.append(np.asarray(out[0]))
+    outs.append(np.asarray(armt.flush(state)[1][0]))
+    assert float(jnp.abs(jnp.asarray(np.concatenate(outs)) - one_shot[0]).max()) <= 1e-4
+    assert float(jnp.abs(one_shot - vmapped).max()) <= 0.1 * float(jnp.abs(vmapped).max())
+
+
+def test_projection_choice():
+    assert DiagonalProjections().resolve(on_mesh=False) == ("grouped_matmul" if jax.default_backend() == "gpu"
+                                                            else "vmap")
+    assert DiagonalProjections("auto", "interpret").resolve(on_mesh=False) == "vmap"  # auto: real Pallas only
+    assert DiagonalProjections("auto", "pallas").resolve(on_mesh=False) == "grouped_matmul"
+    assert DiagonalProjections("auto", "pallas").resolve(on_mesh=True) == "vmap"
+    assert GROUPED_INTERPRET.resolve(on_mesh=False) == "grouped_matmul"
+    with pytest.raises(ValueError, match="one device only"):
+        GROUPED_INTERPRET.resolve(on_mesh=True)
+    with pytest.raises(ValueError, match="'einsum'"):
+        DiagonalProjections("einsum")
+    with pytest.raises(ValueError, match="'triton'"):
+        DiagonalProjections("grouped_matmul", "triton")
+    armt = shared_armt()
+    armt.projections = "vmap"
+    try:
+        assert armt.projections == DiagonalProjections("vmap") and armt.astype(jnp.float32).projections.method == "vmap"
+    finally:
+        armt.projections = "auto"

@@ -88,6 +88,28 @@ def test_vjp_matches_grad_of_reference(dtype):
     assert not np.any(np.asarray(dx[2], np.float32))  # inactive row group gets zero
 
 
+def test_float32_output_from_bf16_inputs():
+    """out_dtype=float32 keeps the fp32 accumulator (ARMT's memory projections); the VJP runs through it."""
+    x, w = _inputs(3, 18, 20, 36, 4, jnp.bfloat16, seed=4)
+    cot = jax.random.normal(jax.random.PRNGKey(8), (3, 18, 36), jnp.float32)
+
+    def loss(x, w, backend):
+        y = grouped_matmul(x, w, jnp.int32(1), jnp.int32(3), backend=backend, out_dtype=jnp.float32)
+        return jnp.sum(y * cot), y
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    (dx, dw), y = grad(x, w, "interpret")
+    (dx_ref, dw_ref), y_ref = grad(x, w, "xla")
+    assert y.dtype == jnp.float32 and dx.dtype == dw.dtype == jnp.bfloat16
+    exact = jnp.einsum("gtk,gkn->gtn", x.astype(jnp.float32), w[1:4].astype(jnp.float32))
+    np.testing.assert_allclose(y, exact, atol=1e-5, rtol=1e-5)  # not rounded to bf16
+    np.testing.assert_allclose(y_ref, exact, atol=1e-5, rtol=1e-5)
+    _close(dx, dx_ref, jnp.bfloat16)
+    _close(dw, dw_ref, jnp.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype must be"):
+        grouped_matmul(x, w, 0, 1, backend="xla", out_dtype=jnp.int32)
+
+
 def test_auto_is_xla_on_cpu_and_bad_backend_named():
     x, w = _inputs(2, 4, 8, 8, 2, jnp.float32)
     if jax.default_backend() != "gpu":

@@ -107,3 +107,52 @@ def test_non_power_of_two_token_tile_is_rejected():
     with pytest.raises(ValueError, match="power of 2"):
         _lower_for_h200(fn, _sds((1, 2, 4, 32, 256), jnp.float32), codes, codes,
                         _sds((1, 32, 256, 2), jnp.float32), _sds((1,), jnp.int32))
+
+
+def _abstract_armt(dtype):
+    """An ARMT model (4 layers, d 256, 8/2 heads, segments of 64 + 16 memory rows) whose parameters are
+    shape-only, and its abstract parameters, an empty pipeline for 2 rows and one segment."""
+    from flax import nnx
+
+    from jaxlongctx.armt import ARMTConfig, ARMTModel
+    from jaxlongctx.armt.diagonal import Pipeline
+    from jaxlongctx.armt.params import MemoryParams
+    from jaxlongctx.armt.segments import Segments
+    from jaxlongctx.checkpoint import abstract_model
+    from jaxlongctx.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
+                      num_kv_heads=2, head_dim=32)
+    armt_cfg = ARMTConfig(segment_size=64, num_mem_tokens=16, d_mem=32)
+    memory = nnx.eval_shape(lambda: MemoryParams(armt_cfg, cfg.num_layers, cfg.hidden_size, 1.0, dtype=dtype,
+                                                 key=jax.random.key(0)))
+    model = ARMTModel(abstract_model(cfg, dtype), armt_cfg, memory)
+    params = jax.tree.map(lambda x: _sds(x.shape, x.dtype), model.params)
+    L, b, dk = cfg.num_layers, 2, armt_cfg.d_key
+    pipe = Pipeline(_sds((L, b, armt_cfg.rows, cfg.hidden_size), dtype), _sds((L, b), jnp.int32),
+                    _sds((L, b), jnp.bool_), _sds((L, b, dk, cfg.hidden_size), jnp.float32),
+                    _sds((L, b, dk), jnp.float32))
+    segs = Segments(_sds((1, b, armt_cfg.segment_size), jnp.int32), _sds((1, b), jnp.int32), _sds((1, b), jnp.bool_))
+    return model, params, pipe, segs
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
+def test_grouped_diagonal_step_lowers(dtype):
+    """A whole diagonal step with every product on the Pallas grouped GEMM (7 layer + 4 memory products)
+    and its gradient (two more kernels per product), for a full step and a ramp-down step (first layer 1)."""
+    from jaxlongctx.armt.diagonal import CPUExecution, _run_block
+    from jaxlongctx.armt.projections import DiagonalProjections
+
+    model, params, pipe, segs = _abstract_armt(dtype)
+    pallas = DiagonalProjections("grouped_matmul", "pallas")
+    full, ramp_down = ("full", 1), ("steps", ((1, 4, False),))
+
+    def loss(params, pipe, segs, block):
+        out, logits = _run_block(model, block, CPUExecution(), pallas, params, pipe, segs)
+        return jnp.sum(logits) + jnp.sum(out.A)
+
+    for block in (full, ramp_down):
+        step = lambda p, q, s, block=block: _run_block(model, block, CPUExecution(), pallas, p, q, s)  # noqa: E731
+        assert _lower_for_h200(step, params, pipe, segs).count(TRITON_CALL) == 11
+    grad = lambda p, q, s: jax.grad(loss)(p, q, s, full)  # noqa: E731
+    assert _lower_for_h200(grad, params, pipe, segs).count(TRITON_CALL) == 33

@@ -136,6 +136,44 @@ def test_armt_on_meshes_matches_one_device(tmp_path):
     assert loaded["diagonal"] <= TOLERANCE
 
 
+KV_REPLICA_CASES = [(kv, tp) for kv in (2, 4) for tp in (2, 4, 8)]  # (kv heads, tp)
+
+
+def _check_kv_replicas(tmp_path, cases: list[tuple[int, int]], tokens: bool) -> None:
+    """Dense, PQ and ARMT on tp devices with K kv heads (replicated when tp > K) equal one device, and
+    each device holds max(K / tp, 1) kv heads of the weights and of both caches."""
+    out = tmp_path / "kv_replicas.json"
+    proc = subprocess.run([sys.executable, str(WORKER), "kv_replicas", str(out), "tokens" if tokens else "logits",
+                           *(f"{kv}:{tp}" for kv, tp in cases)],
+                          env=_worker_env(8), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert sorted(got) == sorted(f"kv{kv}xtp{tp}" for kv, tp in cases)
+    for kv, tp in cases:
+        row = got[f"kv{kv}xtp{tp}"]
+        for name in ("dense", "pq", "armt"):
+            assert row[f"{name}_logit_max_diff"] <= TOLERANCE, (kv, tp, name, row)
+            assert row.get(f"{name}_tokens_equal", True), (kv, tp, name, row)
+        assert row["wv_local_heads"] == row["dense_cache_local_heads"] == row["pq_codes_local_heads"] == max(kv // tp, 1)
+        if tp > kv:  # kv heads over tp groups of tp / kv devices; everything else over all tp devices
+            assert row["mesh"] == {"dp": 1, "tp": kv, "kv_rep": tp // kv}, row
+            assert row["wk_spec"] == "P(None, None, 'tp')" and row["wq_spec"] == "P(None, None, ('tp', 'kv_rep'))"
+            assert row["armt_A_spec"] == "P(None, None, None, ('tp', 'kv_rep'))"
+        else:
+            assert row["mesh"] == {"dp": 1, "tp": tp} and row["wk_spec"] == row["wq_spec"] == "P(None, None, 'tp')"
+    assert tokens == ("dense_tokens_equal" in got[f"kv{cases[0][0]}xtp{cases[0][1]}"])
+
+
+def test_tp_past_the_kv_heads_matches_one_device(tmp_path):
+    """tp 8 over 2 kv heads: each kv head on 4 devices (logits of dense prefill, PQ decode and ARMT)."""
+    _check_kv_replicas(tmp_path, [(2, 8)], tokens=False)
+
+
+@pytest.mark.slow
+def test_tp_vs_kv_heads_sweep(tmp_path):
+    _check_kv_replicas(tmp_path, KV_REPLICA_CASES, tokens=True)
+
+
 def test_two_processes_match_one(tmp_path):
     from parallel_worker import make_model, reference
 
@@ -179,10 +217,14 @@ def test_mesh_and_rules_on_one_device():
 def test_clear_errors():
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh(tp=8, dp=2)
-    cfg = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=4,
-                      num_kv_heads=1, head_dim=4)
-    with pytest.raises(ValueError, match="num_kv_heads divisible by 2, got 1.*not replicated"):
+    cfg = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=24, num_layers=1, num_heads=12,
+                      num_kv_heads=3, head_dim=4)
+    check_divisible(cfg, AbstractMesh((1, 3), ("dp", "tp")))
+    check_divisible(cfg, AbstractMesh((1, 6), ("dp", "tp")))  # each kv head replicated on 2 devices
+    with pytest.raises(ValueError, match="num_kv_heads=3 to divide tp"):
         check_divisible(cfg, AbstractMesh((1, 2), ("dp", "tp")))
+    with pytest.raises(ValueError, match="num_heads divisible by 8"):
+        check_divisible(cfg, AbstractMesh((1, 8), ("dp", "tp")))
 
 
 def test_cli_helpers():

@@ -7,16 +7,19 @@
     state, per_row = armt.flush(state)                             # streaming; see `stream`
     jaxlongctx.generate.generate(armt, ids, n)                     # or armt.generate_ids(..., schedule=...)
     armt.segmentation = "sentences"                                # cut after sentence ends (needs the tokenizer)
+    armt.projections = "grouped_matmul"                            # diagonal products: "auto" | "vmap" | this
     armt.state_bytes(); armt.full_attention_kv_bytes(num_tokens); armt.save(path); ARMTModel.load(path)
 
 Modules: `config` (ARMTConfig), `memory` (DPFP, read, write), `params` (memory parameters),
 `cell` (one segment through one layer), `segments` (host-side segmentation), `sentences` (segment
 starts after sentence ends), `sequential`,
-`diagonal` (schedules), `stream`, `generation`, `model` (ARMTModel).
+`diagonal` (schedules), `projections` (how a diagonal step multiplies by the stacked weights),
+`stream`, `generation`, `model` (ARMTModel).
 """
 
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.model import ARMTModel
+from jaxlongctx.armt.projections import DiagonalProjections
 from jaxlongctx.armt.sequential import MemoryState
 
-__all__ = ["ARMTConfig", "ARMTModel", "MemoryState"]
+__all__ = ["ARMTConfig", "ARMTModel", "DiagonalProjections", "MemoryState"]

@@ -5,6 +5,10 @@ memory rows. Memory rows get RoPE positions `n .. n + M - 1`, missing token slot
 so every short segment is computed exactly as if it had been cut to `n + M` rows. A segment with
 `n == 0` (padding) never writes the memory. `first` marks a row's first segment of a document: it
 starts from zero state and uses the first-segment write rule.
+
+The cell also runs several layers at once (a grouped diagonal step): every input then carries a
+leading group axis `G`, the layer and memory hold their weights for the group, and `dense` and
+`project` multiply group g by its own layer's weights.
 """
 
 from __future__ import annotations
@@ -13,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlongctx.armt.config import ARMTConfig
-from jaxlongctx.armt.memory import LayerMemory, read, write
+from jaxlongctx.armt.memory import LayerMemory, Project, project, read, write
 from jaxlongctx.model.attention import causal_prefill_attention
-from jaxlongctx.model.layers import DecoderLayer
+from jaxlongctx.model.layers import DecoderLayer, Dense
 from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.rope import rope_tables
-from jaxlongctx.parallel import reshard_like
+from jaxlongctx.parallel import matmul, reshard_like
 
 CELL_ATTENTION_CHUNK = 256  # query rows per attention block in a cell (keys: the causal prefix only)
 
@@ -26,8 +30,8 @@ CELL_ATTENTION_CHUNK = 256  # query rows per attention block in a cell (keys: th
 def segment_layout(n: jnp.ndarray, cfg: ARMTConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
     """RoPE positions `[B, R]` and key validity `[B, R]` of segment buffers holding `n [B]` tokens."""
     i = jnp.arange(cfg.rows)
-    positions = jnp.where(i < cfg.segment_size, i, n[:, None] + i - cfg.segment_size)
-    key_valid = (i < n[:, None]) | (i >= cfg.segment_size)
+    positions = jnp.where(i < cfg.segment_size, i, n[..., None] + i - cfg.segment_size)
+    key_valid = (i < n[..., None]) | (i >= cfg.segment_size)
     return positions, key_valid
 
 
@@ -38,19 +42,30 @@ def embed_segment(base: Llama, memory: jnp.ndarray, ids: jnp.ndarray) -> jnp.nda
     return jnp.concatenate([tok, mem], axis=1)
 
 
+def segment_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, key_valid: jnp.ndarray) -> jnp.ndarray:
+    """Causal attention within segment buffers, q `[..., B, R, H, hd]`, k/v `[..., B, R, K, hd]`, key_valid
+    `[..., B, R]`: buffer row i sees the valid rows <= i (memory rows sit after the tokens)."""
+    lead = q.shape[:-3]
+    if len(lead) == 1:
+        return causal_prefill_attention(q, k, v, key_valid, chunk=CELL_ATTENTION_CHUNK)
+    rows = lambda x, tail: x.reshape(-1, *x.shape[-tail:])  # noqa: E731 - the leading axes as one batch
+    out = causal_prefill_attention(rows(q, 3), rows(k, 3), rows(v, 3), rows(key_valid, 1),
+                                   chunk=CELL_ATTENTION_CHUNK)
+    return out.reshape(*lead, *out.shape[1:])
+
+
 def cell(cfg: ARMTConfig, inv_freq: np.ndarray, layer: DecoderLayer, mem: LayerMemory, h: jnp.ndarray,
-         A: jnp.ndarray, z: jnp.ndarray, n: jnp.ndarray, first: jnp.ndarray
-         ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+         A: jnp.ndarray, z: jnp.ndarray, n: jnp.ndarray, first: jnp.ndarray, dense: Dense = matmul,
+         proj: Project = project) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Segment buffers `h [B, R, D]` through one layer with its memory `A [B, dk, D]`, `z [B, dk]`;
     `n [B]` tokens per row, `first [B]`. Returns the layer output and the updated state."""
-    a0 = jnp.where(first[:, None, None], 0, A).astype(A.dtype)
-    z0 = jnp.where(first[:, None], 0, z).astype(z.dtype)
-    h = read(h, mem, a0, z0)
+    a0 = jnp.where(first[..., None, None], 0, A).astype(A.dtype)
+    z0 = jnp.where(first[..., None], 0, z).astype(z.dtype)
+    h = read(h, mem, a0, z0, proj)
     positions, key_valid = segment_layout(n, cfg)
     cos, sin = rope_tables(positions, inv_freq)
-    q, k, v = layer.project_qkv(h, cos, sin)
-    # buffer row i sees the valid rows <= i (memory rows sit after the tokens)
-    h = layer.finish(h, causal_prefill_attention(q, k, v, key_valid, chunk=CELL_ATTENTION_CHUNK))
-    a1, z1 = write(h[:, cfg.segment_size:], mem, a0, z0, first)
+    q, k, v = layer.project_qkv(h, cos, sin, dense)
+    h = layer.finish(h, segment_attention(q, k, v, key_valid), dense)
+    a1, z1 = write(h[..., cfg.segment_size:, :], mem, a0, z0, first, proj)
     writes = n > 0
-    return h, jnp.where(writes[:, None, None], a1, A), jnp.where(writes[:, None], z1, z)
+    return h, jnp.where(writes[..., None, None], a1, A), jnp.where(writes[..., None], z1, z)

@@ -10,9 +10,11 @@ a `jax.lax.scan` in fixed-size chunks; ramp-up and ramp-down steps run only thei
 input length (one-shot: ramp-up, full chunks of `chunk_sizes`, ramp-down; inputs with fewer than
 L - 1 segments compile one plan per segment count).
 
-On accelerators every diagonal is one vmapped call. On CPU (`CPUExecution`) a diagonal is batched
-only while that is faster than running its cells one by one inside the same step, and one-shot
-inputs too short to leave the ramps run their cells in sequential order.
+On accelerators every diagonal is one batched call: a vmapped cell or, where the grouped GEMM kernel
+runs (see `jaxlongctx.armt.projections`), one grouped cell whose products read the stacked weights in
+place. On CPU (`CPUExecution`) a vmapped diagonal is batched only while that is faster than running
+its cells one by one inside the same step, and one-shot inputs too short to leave the ramps run their
+cells in sequential order.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlongctx.armt.cell import cell, embed_segment
+from jaxlongctx.armt.projections import DiagonalProjections, grouped_products, grouped_weights
 from jaxlongctx.armt.segments import Segments, chunk_sizes
 from jaxlongctx.armt.sequential import TRACES, MemoryState, sequential_forward, zero_state
 from jaxlongctx.parallel import batch_sharding
@@ -128,10 +131,11 @@ def block_inputs(block: Block) -> int:
     return block[1] if block[0] == "full" else sum(s[2] for s in block[1])
 
 
-def _step(model: Any, cpu: CPUExecution, graphdef: nnx.GraphDef, layer_state: Any, mem: Any, memory: jnp.ndarray,
-          base: Any, pipe: Pipeline, a: int, b: int, seg: tuple | None) -> tuple[Pipeline, jnp.ndarray | None]:
-    """One diagonal: layers `[a, b)` as one vmapped cell call; returns the pipeline and the logits
-    `[B, S, V]` of the segment leaving the last layer (None if none leaves)."""
+def _step(model: Any, cpu: CPUExecution, projections: DiagonalProjections, graphdef: nnx.GraphDef, layer_state: Any,
+          mem: Any, memory: jnp.ndarray, base: Any, pipe: Pipeline, a: int, b: int, seg: tuple | None
+          ) -> tuple[Pipeline, jnp.ndarray | None]:
+    """One diagonal: layers `[a, b)` as one grouped or vmapped cell call; returns the pipeline and the
+    logits `[B, S, V]` of the segment leaving the last layer (None if none leaves)."""
     armt, L = model.armt, model.config.num_layers
     h, n, first, A, z = pipe
     if seg is not None:
@@ -146,7 +150,11 @@ def _step(model: Any, cpu: CPUExecution, graphdef: nnx.GraphDef, layer_state: An
         layer, *rest = xs
         return one(jax.tree.map(lambda w: w[layer], layer_state), jax.tree.map(lambda w: w[layer], mem), *rest)
 
-    if batch_cells(cpu, b - a, L, h.shape[1], armt.rows):  # [a, b) is a static window of the stacked weights
+    if projections.resolve(model.base.mesh is not None) == "grouped_matmul":
+        layer, lm = grouped_weights(graphdef, layer_state, mem, a, b)
+        dense, proj = grouped_products(a, b - a, projections.kernel)
+        out, a2, z2 = cell(armt, model.inv_freq, layer, lm, h[a:b], A[a:b], z[a:b], n[a:b], first[a:b], dense, proj)
+    elif batch_cells(cpu, b - a, L, h.shape[1], armt.rows):  # [a, b) is a static window of the stacked weights
         window = lambda x: x[a:b]  # noqa: E731
         out, a2, z2 = jax.vmap(one)(jax.tree.map(window, layer_state), jax.tree.map(window, mem),
                                     h[a:b], A[a:b], z[a:b], n[a:b], first[a:b])
@@ -160,12 +168,12 @@ def _step(model: Any, cpu: CPUExecution, graphdef: nnx.GraphDef, layer_state: An
     return Pipeline(h, n, first, A, z), logits
 
 
-def _run_block(model: Any, block: Block, cpu: CPUExecution, params: Any, pipe: Pipeline, segs: Segments
-               ) -> tuple[Pipeline, jnp.ndarray]:
+def _run_block(model: Any, block: Block, cpu: CPUExecution, projections: DiagonalProjections, params: Any,
+               pipe: Pipeline, segs: Segments) -> tuple[Pipeline, jnp.ndarray]:
     TRACES[("diagonal", block)] += 1
     base, mem = model.merge(params)
     graphdef, layer_state = nnx.split(base.layers)
-    args = (model, cpu, graphdef, layer_state, mem.layers(), mem.memory[...], base)
+    args = (model, cpu, projections, graphdef, layer_state, mem.layers(), mem.memory[...], base)
     L = model.config.num_layers
     if block[0] == "full":
         return jax.lax.scan(lambda p, seg: _step(*args, p, 0, L, seg), pipe, tuple(segs))
@@ -181,7 +189,8 @@ def _run_block(model: Any, block: Block, cpu: CPUExecution, params: Any, pipe: P
     return pipe, jnp.stack(outs) if outs else empty
 
 
-run_block = jax.jit(_run_block, static_argnums=(0, 1, 2))  # (model, block, cpu, params, pipe, segs)
+# (model, block, cpu, projections, params, pipe, segs)
+run_block = jax.jit(_run_block, static_argnums=(0, 1, 2, 3))
 
 
 def run_blocks(model: Any, params: Any, pipe: Pipeline, blocks: list[Block], segs: Segments
@@ -191,7 +200,7 @@ def run_blocks(model: Any, params: Any, pipe: Pipeline, blocks: list[Block], seg
     for block in blocks:
         k = block_inputs(block)
         chunk = segs[start:start + k].place(model.base.mesh)
-        pipe, logits = run_block(model, block, model.cpu_execution, params, pipe, chunk)
+        pipe, logits = run_block(model, block, model.cpu_execution, model.projections, params, pipe, chunk)
         if logits.shape[0]:  # ramp-up blocks emit nothing
             outs.append(logits)
         start += k

@@ -2,11 +2,13 @@
 
 Pure functions. Whatever the weight dtype, the projections accumulate in float32 and the read and
 write arithmetic on the state `A [B, d_key, D]`, `z [B, d_key]` runs in float32; the updated state is
-cast back to its own dtype.
+cast back to its own dtype. Read and write accept extra leading axes (a grouped diagonal step's `G`)
+and take the projection as a `Project` function (default `project`, a plain product).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -28,8 +30,12 @@ class LayerMemory(NamedTuple):
     bb: jnp.ndarray  # ()    (its bias)
 
 
-def _project(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+def project(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+    """`x [..., D] @ w [D, E]` accumulated and returned in float32."""
     return jnp.einsum("...d,de->...e", x, w, preferred_element_type=jnp.float32)
+
+
+Project = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]  # (x [..., D], weight) -> float32 x @ weight
 
 
 def dpfp(x: jnp.ndarray) -> jnp.ndarray:
@@ -40,28 +46,31 @@ def dpfp(x: jnp.ndarray) -> jnp.ndarray:
     return jnp.concatenate([xp] * NU, axis=-1) * rolled
 
 
-def read(h: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray) -> jnp.ndarray:
+def read(h: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray, proj: Project = project
+         ) -> jnp.ndarray:
     """`h + phi(h W_mq) A / (phi(h W_mq) . z + eps)` for every row: h `[B, T, D]` -> `[B, T, D]`."""
-    q = dpfp(_project(h, mem.wq))  # B T dk
-    num = jnp.einsum("btk,bkd->btd", q, A.astype(jnp.float32))
-    den = jnp.einsum("btk,bk->bt", q, z.astype(jnp.float32)) + EPS
+    q = dpfp(proj(h, mem.wq))  # B T dk
+    num = jnp.einsum("...tk,...kd->...td", q, A.astype(jnp.float32))
+    den = jnp.einsum("...tk,...k->...t", q, z.astype(jnp.float32)) + EPS
     num = reshard_like(num, h)  # on a mesh: gather A's value columns (split over tp) once per layer
     return (h.astype(jnp.float32) + num / den[..., None]).astype(h.dtype)
 
 
-def write(m: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray,
-          first: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+def write(m: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray, first: jnp.ndarray,
+          proj: Project = project) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Update `A [B, dk, D]`, `z [B, dk]` from the layer output at the memory rows `m [B, M, D]`;
     rows with `first [B]` use the first-segment rule (vbar = 0, gamma = 1)."""
-    k = dpfp(_project(m, mem.wk))  # B M dk
-    v = _project(m, mem.wv)  # B M D
-    beta = jax.nn.sigmoid(_project(m, mem.wb[:, None])[..., 0] + mem.bb.astype(jnp.float32))  # B M
+    k = dpfp(proj(m, mem.wk))  # B M dk
+    v = proj(m, mem.wv)  # B M D
+    logit = proj(m, mem.wb[..., None])[..., 0]  # B M
+    bias = mem.bb.astype(jnp.float32)  # () per layer, [G] on a grouped step
+    beta = jax.nn.sigmoid(logit + bias.reshape(*bias.shape, *(1,) * (logit.ndim - bias.ndim)))  # B M
     a32, z32 = A.astype(jnp.float32), z.astype(jnp.float32)
-    den = jnp.einsum("bmk,bk->bm", k, z32) + EPS
-    vbar = jnp.einsum("bmk,bkd->bmd", k, a32) / den[..., None]
+    den = jnp.einsum("...mk,...k->...m", k, z32) + EPS
+    vbar = jnp.einsum("...mk,...kd->...md", k, a32) / den[..., None]
     gamma = jax.lax.stop_gradient(jnp.clip(1.0 - den / (jnp.sum(k * k, axis=-1) + EPS), 0.0, 1.0))
-    vbar = jnp.where(first[:, None, None], 0.0, vbar)
-    gamma = jnp.where(first[:, None], 1.0, gamma)
-    a32 = a32 + jnp.einsum("bm,bmk,bmd->bkd", beta, k, v - vbar)
-    z32 = z32 + jnp.einsum("bm,bmk->bk", gamma, k)
+    vbar = jnp.where(first[..., None, None], 0.0, vbar)
+    gamma = jnp.where(first[..., None], 1.0, gamma)
+    a32 = a32 + jnp.einsum("...m,...mk,...md->...kd", beta, k, v - vbar)
+    z32 = z32 + jnp.einsum("...m,...mk->...k", gamma, k)
     return a32.astype(A.dtype), z32.astype(z.dtype)

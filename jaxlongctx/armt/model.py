@@ -18,17 +18,18 @@ from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.diagonal import CPUExecution, diagonal_forward
 from jaxlongctx.armt.generation import generate_ids, generation_logits
 from jaxlongctx.armt.params import MemoryParams
+from jaxlongctx.armt.projections import DiagonalProjections, as_projections
 from jaxlongctx.armt.segments import Segments, compact, grid_starts, segment, segment_at, token_rows
 from jaxlongctx.armt.sentences import SentenceSegmenter, make_segmenter
 from jaxlongctx.armt.sequential import MemoryState, sequential_forward
-from jaxlongctx.checkpoint import (CheckpointError, atomic_directory, load_module, on_device, read_metadata,
-                                   save_params, write_metadata)
+from jaxlongctx.checkpoint import (CheckpointError, atomic_directory, check_stored_tensors, load_module, on_device,
+                                   read_metadata, save_params, write_metadata)
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache.dense import dense_cache_bytes
 from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.model import Model
 from jaxlongctx.model.rope import inverse_frequencies
-from jaxlongctx.parallel import memory_shardings, param_shardings, shard_memory
+from jaxlongctx.parallel import fit_mesh, memory_shardings, param_shardings, shard_memory
 from jaxlongctx.validation import check_ids, check_mask, check_positive_int
 
 SCHEDULES = stream.SCHEDULES
@@ -53,6 +54,7 @@ class ARMTModel:
         self.tokenizer = tokenizer
         self.inv_freq = inverse_frequencies(self.config)
         self.cpu_execution = CPUExecution()  # how the diagonal schedule runs on CPU (same results)
+        self._projections = DiagonalProjections()
         self._segmenter: SentenceSegmenter | None = None
 
     @classmethod
@@ -95,6 +97,7 @@ class ARMTModel:
         base, memory = self.merge((cast(self.base.params), cast(nnx.state(self.memory))))
         out = ARMTModel(base, self.armt, memory, self.tokenizer)
         out.cpu_execution = self.cpu_execution
+        out.projections = self.projections
         out._segmenter = self._segmenter
         return out
 
@@ -116,6 +119,16 @@ class ARMTModel:
             param.set_value(value.astype(param.dtype))
         self._place_memory()
         return self
+
+    @property
+    def projections(self) -> DiagonalProjections:
+        """How a diagonal step multiplies by the stacked layer weights (same results either way): set a
+        method name ("auto", "vmap", "grouped_matmul") or a `DiagonalProjections` (method + kernel backend)."""
+        return self._projections
+
+    @projections.setter
+    def projections(self, value: DiagonalProjections | str) -> None:
+        self._projections = as_projections(value)
 
     # --- forward --------------------------------------------------------------------------------
     def run_segments(self, params: Any, segs: Segments, schedule: str = "diagonal",
@@ -257,7 +270,9 @@ class ARMTModel:
         target = nnx.to_pure_dict(mem_state)
         if mesh is not None:
             target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-                      for (name, x), sharding in zip(target.items(), memory_shardings(mesh, target).values())}
+                      for (name, x), sharding in zip(target.items(),
+                                                     memory_shardings(fit_mesh(mesh, config), target).values())}
+        check_stored_tensors(path / _MEMORY_DIR, target)
         try:
             with ocp.StandardCheckpointer() as ckptr:
                 restored = ckptr.restore(path / _MEMORY_DIR, on_device(target))

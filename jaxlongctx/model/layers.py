@@ -3,9 +3,16 @@
 A layer is `h -> h + attn(norm(h)) -> h + mlp(norm(h))`. Schedules (full forward, cached decode,
 ARMT segments) differ only in how attention sees keys, so the layer exposes `project_qkv` (norm,
 projections, q/k norm, RoPE) and `finish` (output projection, residual, MLP) around it.
+
+Both take the matrix product as a `Dense` function (default: `parallel.matmul`, the plain product that
+all-reduces a row-parallel one) and accept any leading axes. ARMT's grouped diagonal step uses that:
+its layer holds the stacked weights `[L, in, out]` whole, a leading group axis `G` on every vector
+parameter and on the activations, and a `Dense` that multiplies group g by layer `first + g`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +20,9 @@ from flax import nnx
 
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.rope import apply_rope
-from jaxlongctx.parallel import sharding_like
+from jaxlongctx.parallel import matmul
+
+Dense = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]  # (x [..., in], weight) -> x @ weight [..., out]
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -21,6 +30,14 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
+
+
+def per_layer(v: jnp.ndarray, like: jnp.ndarray) -> jnp.ndarray:
+    """A layer's vector parameter `[X]`, or `[G, X]` with a leading group axis, shaped to broadcast
+    against activations `like [..., X]` (`[G, ..., X]`)."""
+    if v.ndim == 1:
+        return v
+    return v.reshape(*v.shape[:-1], *(1,) * (like.ndim - v.ndim), v.shape[-1])
 
 
 def _dense_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02) -> nnx.Param:
@@ -53,41 +70,40 @@ class DecoderLayer(nnx.Module):
         self.w_up = _dense_init(rngs, (d, f), dtype)
         self.w_down = _dense_init(rngs, (f, d), dtype)
 
-    def project_qkv(self, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray
+    def project_qkv(self, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, dense: Dense = matmul
                     ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
         """Input norm, q/k/v projections, optional q/k norm and RoPE.
 
-        h `[B, T, D]`, cos/sin `[B, T, hd]` -> q `[B, T, H, hd]`, k and v `[B, T, K, hd]` (post-RoPE).
+        h `[..., T, D]`, cos/sin `[..., T, hd]` -> q `[..., T, H, hd]`, k and v `[..., T, K, hd]` (post-RoPE).
         """
         cfg = self.config
-        b, t, _ = h.shape
-        x = rms_norm(h, self.input_norm[...], cfg.rms_norm_eps)
-        q, k, v = x @ self.wq[...], x @ self.wk[...], x @ self.wv[...]
+        lead = h.shape[:-1]
+        x = rms_norm(h, per_layer(self.input_norm[...], h), cfg.rms_norm_eps)
+        q, k, v = dense(x, self.wq[...]), dense(x, self.wk[...]), dense(x, self.wv[...])
         if cfg.qkv_bias:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = q + per_layer(self.bq[...], q), k + per_layer(self.bk[...], k), v + per_layer(self.bv[...], v)
+        q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
+            q = rms_norm(q, per_layer(self.q_norm[...], q), cfg.rms_norm_eps)
+            k = rms_norm(k, per_layer(self.k_norm[...], k), cfg.rms_norm_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def finish(self, h: jnp.ndarray, attn_out: jnp.ndarray) -> jnp.ndarray:
+    def finish(self, h: jnp.ndarray, attn_out: jnp.ndarray, dense: Dense = matmul) -> jnp.ndarray:
         """Output projection + residual, then post-norm SwiGLU MLP + residual.
 
-        h `[B, T, D]` (the layer input), attn_out `[B, T, H, hd]` -> `[B, T, D]`.
+        h `[..., T, D]` (the layer input), attn_out `[..., T, H, hd]` -> `[..., T, D]`.
         """
         cfg = self.config
-        b, t, _ = h.shape
-        o = jnp.matmul(attn_out.reshape(b, t, cfg.num_heads * cfg.head_dim), self.wo[...],
-                       out_sharding=sharding_like(h))  # row parallel: one all-reduce under tp
+        # row parallel under tp (o and down): one all-reduce each
+        o = dense(attn_out.reshape(*h.shape[:-1], cfg.num_heads * cfg.head_dim), self.wo[...])
         if cfg.o_bias:
-            o = o + self.bo[...]
+            o = o + per_layer(self.bo[...], o)
         h = h + o
-        x = rms_norm(h, self.post_norm[...], cfg.rms_norm_eps)
-        gated = jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])
-        return h + jnp.matmul(gated, self.w_down[...], out_sharding=sharding_like(h))
+        x = rms_norm(h, per_layer(self.post_norm[...], h), cfg.rms_norm_eps)
+        gated = jax.nn.silu(dense(x, self.w_gate[...])) * dense(x, self.w_up[...])
+        return h + dense(gated, self.w_down[...])
 
 
 def stacked_layers(config: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:

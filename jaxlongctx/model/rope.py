@@ -39,9 +39,9 @@ def rope_tables(positions: jnp.ndarray, inv_freq: np.ndarray) -> tuple[jnp.ndarr
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Rotate `x [B, T, heads, hd]` by tables `[B, T, hd]`; computed in float32, returned in x.dtype."""
+    """Rotate `x [..., T, heads, hd]` by tables `[..., T, hd]`; computed in float32, returned in x.dtype."""
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    out = xf * cos[..., None, :] + rotated * sin[..., None, :]
     return out.astype(x.dtype)
