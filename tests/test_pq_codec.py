@@ -144,6 +144,28 @@ def test_kmeans_recovers_separated_clusters() -> None:
         assert dist.min(1).max() < 0.05  # every true center has a centroid on it
 
 
+def test_tiled_assignment_equals_brute_force() -> None:
+    from jaxlongctx.kvcache.kmeans import _assign
+
+    x = jax.random.normal(jax.random.key(8), (3, 1000, 4))  # 1000 points: several tiles and a ragged last one
+    cent = jax.random.normal(jax.random.key(9), (3, 40, 4))
+    assign, counts, sums, sse = _assign(x, cent)
+    d = np.sum((np.asarray(x)[:, :, None] - np.asarray(cent)[:, None]) ** 2, axis=-1)  # [P, n, k]
+    np.testing.assert_array_equal(np.asarray(assign), d.argmin(-1))
+    np.testing.assert_allclose(np.asarray(sse), d.min(-1).sum(-1), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(counts).sum(-1), 1000)
+
+
+def test_kmeans_stops_at_convergence() -> None:
+    x = jax.random.normal(jax.random.key(10), (2, 3000, 2))
+    _, full = kmeans(x, 8, 60, key=jax.random.key(1))
+    _, early = kmeans(x, 8, 60, key=jax.random.key(1), tol=1e-3)
+    assert early.shape[1] < full.shape[1] and _non_increasing(early)
+    np.testing.assert_array_equal(np.asarray(early[:, :-1]), np.asarray(full[:, :early.shape[1] - 1]))
+    last = np.asarray(early[:, -3:-1], np.float64)  # the update that met the tolerance
+    assert np.all(last[:, 0] - last[:, 1] <= 1e-3 * last[:, 0])
+
+
 def test_kmeans_subsampling_is_deterministic() -> None:
     x = jax.random.normal(jax.random.key(6), (2, 5000, 2))
     a, ha = kmeans(x, 4, 3, key=jax.random.key(7), max_points_per_centroid=100)

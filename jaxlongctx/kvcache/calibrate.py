@@ -85,7 +85,8 @@ def collect_kv(model: Model, tokens: np.ndarray, seq_len: int, max_tokens: int, 
 
 def calibrate(model: Model, token_stream: np.ndarray, ds: int = 2, bits: int = 8,
               granularity: Granularity = "shared", iters: int = 25, *, seq_len: int = 512,
-              max_tokens: int = 16384, seed: int = 0, progress: bool = False, source: str = "") -> Codebooks:
+              max_tokens: int = 16384, seed: int = 0, progress: bool = False, source: str = "",
+              points_per_centroid: int = 256, tol: float = 0.0) -> Codebooks:
     """Codebooks for `model` from its post-RoPE K/V over `token_stream` (keep it apart from evaluation text)."""
     if not isinstance(model, Model):
         raise ValueError(f"calibrate needs a full-attention jaxlongctx Model, got {type(model).__name__}")
@@ -97,7 +98,7 @@ def calibrate(model: Model, token_stream: np.ndarray, ds: int = 2, bits: int = 8
         raise ValueError(f"{keys.shape[1]} calibration tokens give {per_problem} vectors per k-means problem, "
                          f"fewer than the {2**bits} centroids; use more calibration text")
     cb = train_codebooks(keys, values, ds, bits, granularity, iters, key=jax.random.key(seed), progress=progress,
-                         model_fingerprint=model_fingerprint(model))
+                         model_fingerprint=model_fingerprint(model), points_per_centroid=points_per_centroid, tol=tol)
     meta = {**cb.metadata, "calibration_tokens": int(keys.shape[1]), "seq_len": seq_len, "seed": seed}
     if source:
         meta["calibration_source"] = source
@@ -116,6 +117,11 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=25, help="k-means iterations (default 25)")
     parser.add_argument("--seq-len", type=int, default=512, help="calibration window length (default 512)")
     parser.add_argument("--max-tokens", type=int, default=16384, help="calibration tokens used (default 16384)")
+    parser.add_argument("--points-per-centroid", type=int, default=64,
+                        help="k-means vectors sampled per centroid in each problem (default 64)")
+    parser.add_argument("--tol", type=float, default=1e-3,
+                        help="stop k-means once no problem's error falls by more than this fraction in an "
+                             "iteration (default 1e-3; 0 runs every --iters)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -139,7 +145,8 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
         tokens = np.asarray(model.tokenizer.encode(text_path.read_text()).ids, np.int32)
         source = str(text_path)
     cb = calibrate(model, tokens, args.ds, args.bits, args.granularity, args.iters, seq_len=args.seq_len,
-                   max_tokens=args.max_tokens, seed=args.seed, progress=True, source=source)
+                   max_tokens=args.max_tokens, seed=args.seed, progress=True, source=source,
+                   points_per_centroid=args.points_per_centroid, tol=args.tol)
     path = save_codebooks(cb, args.out, overwrite=args.overwrite, inputs=(args.model, args.text))
     summary = {"out": str(path), "ds": cb.ds, "bits": cb.bits, "granularity": cb.granularity, **cb.metadata}
     print(json.dumps(summary))

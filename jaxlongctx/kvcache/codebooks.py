@@ -156,8 +156,12 @@ def train_codebooks(
     init: Init = "random",
     progress: bool = True,
     model_fingerprint: str = "",
+    points_per_centroid: int = 256,
+    tol: float = 0.0,
 ) -> Codebooks:
-    """k-means codebooks from calibration keys (post-RoPE) and values, both [L, N, K, D]."""
+    """k-means codebooks from calibration keys (post-RoPE) and values, both [L, N, K, D]; each k-means
+    problem keeps at most `points_per_centroid` * 2**bits sampled vectors and stops early at `tol`
+    (see `kmeans`)."""
     keys, values = jnp.asarray(keys), jnp.asarray(values)
     if keys.ndim != 4:
         raise ValueError(f"keys must have shape [L, N, K, D], got {keys.shape}")
@@ -170,12 +174,16 @@ def train_codebooks(
     _check_ds(ds, head_dim)
     shape = centroid_shape(granularity, num_layers, num_kv_heads, head_dim, ds, bits)
     problems = jnp.concatenate([_problems(keys, granularity, ds), _problems(values, granularity, ds)])
-    cent, history = kmeans(problems, 2**bits, iters, key=key, init=init, progress=progress)
+    cent, history = kmeans(problems, 2**bits, iters, key=key, init=init, progress=progress,
+                           max_points_per_centroid=points_per_centroid, tol=tol)
     half = cent.shape[0] // 2
     final = np.asarray(history[:, -1])
     metadata = {
         "model_fingerprint": model_fingerprint,
         "iters": iters,
+        "iters_run": int(history.shape[1] - 1),
+        "points_per_centroid": points_per_centroid,
+        "tol": tol,
         "init": init,
         "calibration_samples_per_layer": int(keys.shape[1]),
         "key_mse": float(final[:half].mean()),  # mean squared error per subspace, calibration set

@@ -20,24 +20,41 @@ def _segment_sum(vals: jax.Array, ids: jax.Array, k: int) -> jax.Array:
     return jax.vmap(lambda v, i: jax.ops.segment_sum(v, i, num_segments=k))(vals, ids)
 
 
-def _assign(x: jax.Array, cent: jax.Array) -> tuple[jax.Array, ...]:
-    """Nearest centroid of every point x[P, n, ds]: assignments [P, n], counts [P, k], sums [P, k, ds], SSE [P].
+# Points per tile of the assignment step (summed over problems): the running minimum of a tile stays in
+# cache while every centroid passes over it (4x faster on CPU than sweeping all points per centroid).
+_TILE_ELEMENTS = 1 << 15
+_MIN_TILE_POINTS = 64
 
-    Distances are computed one centroid at a time (a loop over k keeping a running minimum), so
-    memory stays O(P * n) whatever k is; ties go to the lowest centroid index.
-    """
+
+def _nearest(coords: list[jax.Array], cent: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Squared distance to, and index of, the nearest centroid for points given as ds coordinate
+    arrays [P, b]: one centroid at a time with a running minimum; ties go to the lowest index."""
     p, k, ds = cent.shape
-    coords = [x[..., j] for j in range(ds)]  # ds x [P, n]
 
     def body(i, best):
         best_d, best_i = best
         ci = jax.lax.dynamic_index_in_dim(cent, i, axis=1, keepdims=False)  # [P, ds]
-        d = sum(jnp.square(coords[j] - ci[:, j, None]) for j in range(ds))  # [P, n]
+        d = sum(jnp.square(coords[j] - ci[:, j, None]) for j in range(ds))  # [P, b]
         closer = d < best_d
         return jnp.where(closer, d, best_d), jnp.where(closer, i, best_i)
 
-    init = (jnp.full(x.shape[:2], jnp.inf, jnp.float32), jnp.zeros(x.shape[:2], jnp.int32))
-    best_d, assign = jax.lax.fori_loop(0, k, body, init)
+    init = (jnp.full(coords[0].shape, jnp.inf, jnp.float32), jnp.zeros(coords[0].shape, jnp.int32))
+    return jax.lax.fori_loop(0, k, body, init)
+
+
+def _assign(x: jax.Array, cent: jax.Array) -> tuple[jax.Array, ...]:
+    """Nearest centroid of every point x[P, n, ds]: assignments [P, n], counts [P, k], sums [P, k, ds], SSE [P].
+
+    The points are cut into tiles of b points per problem, and each tile meets every centroid in turn,
+    so memory stays O(P * n) whatever k is.
+    """
+    p, n, ds = x.shape
+    k = cent.shape[1]
+    b = min(n, max(_MIN_TILE_POINTS, _TILE_ELEMENTS // p))
+    tiles = jnp.pad(x, ((0, 0), (0, -n % b), (0, 0))).reshape(p, -1, b, ds).transpose(1, 3, 0, 2)  # [nb, ds, P, b]
+    best_d, assign = jax.lax.map(lambda tile: _nearest(list(tile), cent), tiles)  # [nb, P, b] each
+    best_d = best_d.transpose(1, 0, 2).reshape(p, -1)[:, :n]
+    assign = assign.transpose(1, 0, 2).reshape(p, -1)[:, :n]
     counts = _segment_sum(jnp.ones(assign.shape, jnp.float32), assign, k)
     sums = _segment_sum(x, assign, k)
     return assign, counts, sums, jnp.sum(best_d, axis=-1)
@@ -125,14 +142,16 @@ def kmeans(
     key: jax.Array,
     init: Init = "random",
     max_points_per_centroid: int = 256,
+    tol: float = 0.0,
     progress: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Lloyd k-means on P independent problems x[P, N, ds] -> (centroids [P, k, ds], objective [P, iters+1]).
+    """Lloyd k-means on P independent problems x[P, N, ds] -> (centroids [P, k, ds], objective [P, T+1]).
 
     objective[:, 0] is the mean squared distance to the initial centroids, objective[:, i]
-    after i updates; it never increases (up to float32 rounding). Each problem is subsampled (same random points for
-    all problems, deterministic given `key`) to at most max_points_per_centroid * k points.
-    Memory is O(P * N * ds): distances are computed one centroid at a time.
+    after i updates; it never increases (up to float32 rounding). T = iters, or fewer when `tol` > 0:
+    the loop stops once no problem's objective fell by more than the fraction `tol` in one update.
+    Each problem is subsampled (same random points for all problems, deterministic given `key`) to at
+    most max_points_per_centroid * k points. Memory is O(P * N * ds).
     """
     x = jnp.asarray(x)
     if x.ndim != 3:
@@ -157,9 +176,15 @@ def kmeans(
     cent = _init_random(x, k, key_init) if init == "random" else _init_kmeanspp(x, k, key_init)
     rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=(1, 2)))  # [P] scale for the split perturbation
 
+    if not tol >= 0:
+        raise ValueError(f"tol must be >= 0, got {tol}")
     history = []
-    for _ in tqdm(range(iters), desc=f"k-means (P={p}, k={k})", disable=not progress):
+    bar = tqdm(range(iters), desc=f"k-means (P={p}, k={k})", disable=not progress)
+    for _ in bar:
         cent, obj = _lloyd_step(x, cent, rms)
         history.append(jax.block_until_ready(obj))
+        if tol and len(history) > 1 and bool(jnp.all(history[-2] - history[-1] <= tol * history[-2])):
+            bar.close()  # converged: the objective below is that of the centroids just computed
+            break
     history.append(_objective(x, cent))
     return cent, jnp.stack(history, axis=1)
