@@ -69,7 +69,7 @@ def main() -> None:
     for ctx in contexts:
         ids = np.random.default_rng(ctx).integers(3, CONFIG.vocab_size, (1, ctx)).astype(np.int32)
         t = interleaved_times({"ours": ours_prefill(ids), "hf": theirs_prefill(ids)}, repeats=repeats)
-        decode = _decode_times(model, hf, ids, n, repeats)
+        decode = decode_times(model, hf, ids, n, repeats)
         row = {"context": ctx, "ours_prefill_tokens_per_s": ctx / t["ours"]["median_s"],
                "hf_prefill_tokens_per_s": ctx / t["hf"]["median_s"],
                "ours_decode_tokens_per_s": n / decode["ours"], "hf_decode_tokens_per_s": n / decode["hf"],
@@ -87,7 +87,7 @@ def main() -> None:
     _plot(rows)
 
 
-def _decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str, float]:
+def decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str, float]:
     """Median seconds for `n` greedy decode steps from a filled cache, ours and `transformers`' side by side."""
     import jax
     import jax.numpy as jnp
