@@ -60,7 +60,8 @@ def armt_working_bytes(armt: Any, num_segments: int) -> int | None:
         k = block[1] if block[0] == "full" else sum(s[2] for s in block[1])
         s = armt.armt.segment_size
         segs = Segments(jnp.zeros((k, 1, s), jnp.int32), jnp.zeros((k, 1), jnp.int32), jnp.zeros((k, 1), bool))
-        sizes.append(compiled_bytes(run_block, armt, block, armt.cpu_execution, armt.params, pipe, segs))
+        sizes.append(compiled_bytes(run_block, armt, block, armt.cpu_execution, armt.projections, armt.params, pipe,
+                                    segs))
     return None if None in sizes else max(sizes)
 
 
