@@ -133,3 +133,40 @@ def test_generate_command_prompt_file_and_chat_on_stdin(chat_gguf, chat_model, t
 
     assert cli_main(base + ["--chat", "--ids", "1 2 3"]) == 2
     assert "--chat needs a text prompt" in capsys.readouterr().err
+
+
+_TEMPLATES = [  # whitespace control, loop controls, namespace, tojson of non-ASCII, special tokens
+    "{{ bos_token }}{% for m in messages %}\n  {% if m['role'] == 'system' %}{% continue %}{% endif %}\n"
+    "  <{{ m['role'] }}>{{ m['content'] | trim }}</{{ m['role'] }}>{{ eos_token if loop.last }}\n{% endfor %}\n"
+    "{% if add_generation_prompt %}<assistant>{% endif %}",
+    "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+    "{{ m | tojson }}{% if ns.n >= 2 %}{% break %}{% endif %}\n{% endfor %}",
+]
+
+
+def test_chat_templates_render_as_transformers_renders_them(chat_gguf, chat_model):
+    from transformers import AutoTokenizer
+
+    from jaxlongctx.chat_template import render_chat
+
+    ref = AutoTokenizer.from_pretrained(chat_gguf.parent, gguf_file=chat_gguf.name)
+    messages = [{"role": "system", "content": "Sé breve."}, {"role": "user", "content": "  Hola, ¿qué tal? 日本 "},
+                {"role": "assistant", "content": "Bien."}]
+    for template in _TEMPLATES:
+        for gen in (True, False):
+            ours = render_chat(template, messages, add_generation_prompt=gen,
+                               special_tokens=chat_model.tokenizer.special_tokens)
+            assert ours == ref.apply_chat_template(messages, chat_template=template, add_generation_prompt=gen,
+                                                   tokenize=False), template
+
+
+def test_chat_template_errors():
+    from jaxlongctx.chat_template import ChatTemplateError, render_chat
+
+    refuses_tools = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="refused the messages: no tools"):
+        render_chat(refuses_tools, [{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="message 0 must be a dict"):
+        render_chat(refuses_tools, [{"role": "user"}])
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        render_chat("{% for %}", [])

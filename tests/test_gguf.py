@@ -103,6 +103,24 @@ def test_smollm2_2k_prompt_logits(smollm2, hf_smollm2):
     _assert_logits_match(np.asarray(smollm2(ids)), _torch_logits(hf_smollm2[0], ids))
 
 
+@pytest.mark.slow
+def test_smollm2_convert_and_export_match_transformers(smollm2, hf_smollm2, tmp_path):
+    """convert --gguf, then --export: transformers loads the HF directory with the same logits and
+    chat prompt as it gets from the GGUF file itself."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert cli_main(["convert", "--gguf", str(smollm2_gguf()), "--out", str(tmp_path / "ckpt")]) == 0
+    assert cli_main(["convert", "--export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    ids = np.asarray([smollm2.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    _assert_logits_match(_torch_logits(exported, ids), _torch_logits(hf_smollm2[0], ids))
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (hf_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+            == hf_smollm2[1].apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False))
+    assert all(hf_tok(t).input_ids == hf_smollm2[1](t).input_ids for t in TEXTS)
+
+
 def test_smollm2_tokenizer_matches_transformers(smollm2, hf_smollm2):
     ours, ref = smollm2.tokenizer, hf_smollm2[1]
     for text in TEXTS:
@@ -249,6 +267,8 @@ def test_convert_cli_export_and_chat_files(tmp_path, capsys):
         assert direct.tokenizer.encode(text).ids == hf_tok(text).input_ids == gguf_tok(text).input_ids, text
     prompt = from_ckpt.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     assert prompt == hf_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    from_hf_dir = jaxlongctx.load(tmp_path / "hf").tokenizer  # HF directories: chat from tokenizer_config.json
+    assert from_hf_dir.apply_chat_template(CHAT, add_generation_prompt=True) == prompt
     assert from_ckpt.tokenizer.stop_ids[0] == 2
 
 
