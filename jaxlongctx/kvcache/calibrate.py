@@ -120,7 +120,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--points-per-centroid", type=int, default=64,
                         help="k-means vectors sampled per centroid in each problem (default 64)")
     parser.add_argument("--tol", type=float, default=1e-3,
-                        help="stop k-means once no problem's error falls by more than this fraction in an "
+                        help="stop k-means once the total error falls by at most this fraction in an "
                              "iteration (default 1e-3; 0 runs every --iters)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)")

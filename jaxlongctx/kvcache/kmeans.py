@@ -149,7 +149,8 @@ def kmeans(
 
     objective[:, 0] is the mean squared distance to the initial centroids, objective[:, i]
     after i updates; it never increases (up to float32 rounding). T = iters, or fewer when `tol` > 0:
-    the loop stops once no problem's objective fell by more than the fraction `tol` in one update.
+    the loop stops once the objective summed over the problems fell by at most the fraction `tol` in
+    one update.
     Each problem is subsampled (same random points for all problems, deterministic given `key`) to at
     most max_points_per_centroid * k points. Memory is O(P * N * ds).
     """
@@ -183,7 +184,7 @@ def kmeans(
     for _ in bar:
         cent, obj = _lloyd_step(x, cent, rms)
         history.append(jax.block_until_ready(obj))
-        if tol and len(history) > 1 and bool(jnp.all(history[-2] - history[-1] <= tol * history[-2])):
+        if tol and len(history) > 1 and float(jnp.sum(history[-2] - history[-1])) <= tol * float(jnp.sum(history[-2])):
             bar.close()  # converged: the objective below is that of the centroids just computed
             break
     history.append(_objective(x, cent))
