@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result  # noqa: E402
-from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL  # noqa: E402
-from jaxlongctx.generate import bucket_length, generate  # noqa: E402
-from jaxlongctx.kvcache.dense import dense_cache_bytes  # noqa: E402
-from jaxlongctx.loading import load  # noqa: E402
+from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result
+from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL
+from jaxlongctx.generate import bucket_length, generate
+from jaxlongctx.kvcache.dense import dense_cache_bytes
+from jaxlongctx.loading import load
 
 DTYPE_BYTES = 4  # both models run in fp32 here
 

@@ -1,7 +1,7 @@
 """Where in a long prompt ARMT loses a fact: exact match against context length and the asked
 fact's depth, a needle-in-a-haystack heatmap per fact count.
 
-    python bench/armt_depth.py [--quick] [--armt-ckpt DIR] [--num-facts 1,2,4]
+    python -m bench.armt_depth [--quick] [--armt-ckpt DIR] [--num-facts 1,2,4]
                                [--lengths 4096,16384,32768,65536] [--depths 0.05,0.25,0.5,0.75,0.95]
                                [--samples 16]
 
@@ -17,19 +17,16 @@ Writes bench/results/armt_depth.{json,png}.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.armt_retrieval import GOAL_EXACT_MATCH, SEGMENTATION_LABELS, diagonal_decoding_logits  # noqa: E402
-from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result  # noqa: E402
-from jaxlongctx.demo import ARMT_MODEL  # noqa: E402
-from jaxlongctx.loading import load  # noqa: E402
-from jaxlongctx.train.evaluate import retrieval_accuracy  # noqa: E402
+from bench.armt_retrieval import GOAL_EXACT_MATCH, SEGMENTATION_LABELS, diagonal_decoding_logits
+from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result
+from jaxlongctx.demo import ARMT_MODEL
+from jaxlongctx.loading import load
+from jaxlongctx.train.evaluate import retrieval_accuracy
 
 CELL_KEYS = ("length", "target_depth", "asked_depth", "samples", "exact_match", "exact_match_ci95",
              "digit_accuracy", "first_digit_other_fact_rate", "from_memory_samples")

@@ -1,7 +1,7 @@
 """What goes wrong when ARMT answers a haystack of several facts: the attention ceiling of one
 segment, which digit is wrong, and what greedy decoding then writes.
 
-    python bench/armt_fact_errors.py [--quick] [--armt-ckpt DIR]
+    python -m bench.armt_fact_errors [--quick] [--armt-ckpt DIR]
 
 For 2 and 4 facts, on held-out haystacks of one segment (every fact in the decoding window: the
 accuracy attention alone reaches, no memory involved), of 512 tokens (4 segments) and of 4K: the
@@ -14,22 +14,18 @@ something else). Writes bench/results/armt_fact_errors.{json,png}.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.armt_retrieval import diagonal_decoding_logits  # noqa: E402
-from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result  # noqa: E402
-from jaxlongctx.armt.generation import generate_ids  # noqa: E402
-from jaxlongctx.data.haystack import CODE_DIGITS, held_out_batch  # noqa: E402
-from jaxlongctx.data.tokenizer import load_default_tokenizer  # noqa: E402
-from jaxlongctx.demo import ARMT_MODEL  # noqa: E402
-from jaxlongctx.loading import load  # noqa: E402
-from jaxlongctx.train.evaluate import retrieval_accuracy  # noqa: E402
+from bench.armt_retrieval import diagonal_decoding_logits
+from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result
+from jaxlongctx.armt.generation import generate_ids
+from jaxlongctx.data.haystack import CODE_DIGITS, held_out_batch
+from jaxlongctx.data.tokenizer import load_default_tokenizer
+from jaxlongctx.demo import ARMT_MODEL
+from jaxlongctx.loading import load
+from jaxlongctx.train.evaluate import retrieval_accuracy
 
 GREEDY_BATCH = 8
 

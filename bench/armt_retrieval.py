@@ -1,6 +1,6 @@
 """Haystack retrieval accuracy vs context length: ARMT (diagonal schedule) vs full attention.
 
-    python bench/armt_retrieval.py [--quick] [--armt-ckpt DIR] [--base DIR] [--num-facts 1,2,4]
+    python -m bench.armt_retrieval [--quick] [--armt-ckpt DIR] [--base DIR] [--num-facts 1,2,4]
 
 Held-out samples (evaluation seeds); exact match and per-digit accuracy of the 4-digit answer
 (teacher-forced argmax, equivalent to greedy decoding being right), with the chance levels; ARMT
@@ -44,21 +44,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result  # noqa: E402
-from jaxlongctx.armt.sentences import SEGMENTATIONS  # noqa: E402
-from jaxlongctx.data.corpus import SPLITS  # noqa: E402
-from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT  # noqa: E402
-from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL  # noqa: E402
-from jaxlongctx.loading import load  # noqa: E402
-from jaxlongctx.train.evaluate import DIGIT_CHANCE, retrieval_accuracy  # noqa: E402
+from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result
+from jaxlongctx.armt.sentences import SEGMENTATIONS
+from jaxlongctx.data.corpus import SPLITS
+from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT
+from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL
+from jaxlongctx.loading import load
+from jaxlongctx.train.evaluate import DIGIT_CHANCE, retrieval_accuracy
 
 GOAL_FACTOR, GOAL_EXACT_MATCH = 4, 0.9  # the target: 90% exact match at 4x the longest training sample
 UNSEEN_FILLER_ORDER = tuple(s for s in SPLITS if s != FILLER_SPLIT)  # train, then calibration

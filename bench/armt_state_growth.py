@@ -1,7 +1,7 @@
 """How the ARMT memory state grows over a long input: ||A_l|| and ||z_l|| of every layer after each
 segment of one held-out haystack.
 
-    python bench/armt_state_growth.py [--quick] [--armt-ckpt DIR] [--tokens N]
+    python -m bench.armt_state_growth [--quick] [--armt-ckpt DIR] [--tokens N]
 
 The associative memory has no decay: `A_l` changes only through delta-rule writes and `z_l` only
 grows. The plot shows whether the state settles or keeps growing over inputs longer than the
@@ -12,20 +12,16 @@ bench/results/armt_state_growth.{json,png}.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result  # noqa: E402
-from jaxlongctx.data.haystack import eval_seed, make_sample  # noqa: E402
-from jaxlongctx.data.tokenizer import load_default_tokenizer  # noqa: E402
-from jaxlongctx.demo import ARMT_MODEL  # noqa: E402
-from jaxlongctx.loading import load  # noqa: E402
+from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result
+from jaxlongctx.data.haystack import eval_seed, make_sample
+from jaxlongctx.data.tokenizer import load_default_tokenizer
+from jaxlongctx.demo import ARMT_MODEL
+from jaxlongctx.loading import load
 
 
 def state_norms(armt, ids: np.ndarray) -> dict[str, np.ndarray]:

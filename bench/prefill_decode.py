@@ -1,6 +1,6 @@
 """Prefill and decode throughput of jaxlongctx vs `transformers` on the same weights, same CPU, one run.
 
-    python bench/prefill_decode.py [--quick]
+    python -m bench.prefill_decode [--quick]
 
 Prefill: both sides generate one token through their public API (prompt forward + first token).
 Decode: both sides start from the same filled cache and run `--new-tokens` greedy steps, timed on
@@ -13,22 +13,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import (interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result)
 
-from bench.common import (interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result)  # noqa: E402
-
-import jaxlongctx  # noqa: E402
-from convert.hf_llama import export_ckpt_to_hf  # noqa: E402
-from jaxlongctx.checkpoint import save_model  # noqa: E402
-from jaxlongctx.config import ModelConfig  # noqa: E402
-from jaxlongctx.generate import Request, _compiled, bucket_length  # noqa: E402
+import jaxlongctx
+from convert.hf_llama import export_ckpt_to_hf
+from jaxlongctx.checkpoint import save_model
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.generate import Request, _compiled, bucket_length
 
 CONFIG = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
                      num_kv_heads=2, head_dim=64, rope_theta=500000.0, max_position_embeddings=65536)

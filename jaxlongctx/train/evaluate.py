@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from typing import Any, Callable
 
 import jax
@@ -183,11 +184,11 @@ def _scores(hit: np.ndarray) -> dict[str, Any]:
 def exact_match_interval(right: int, samples: int, confidence: float = 0.95) -> list[float]:
     """Wilson score interval `[low, high]` of a success rate from `right` of `samples` answers: the
     range the true accuracy lies in at `confidence` (16 samples with 14 right: about [0.64, 0.97])."""
-    from scipy.stats import binomtest  # here, not at the top: scipy.stats takes ~1 s to import, and
-    # every CLI command imports this module to build its parser
-
-    ci = binomtest(right, samples).proportion_ci(confidence_level=confidence, method="wilson")
-    return [float(ci.low), float(ci.high)]
+    z = statistics.NormalDist().inv_cdf((1 + confidence) / 2)
+    p, zz = right / samples, z * z / samples
+    centre = (p + zz / 2) / (1 + zz)
+    half = z * math.sqrt(p * (1 - p) / samples + zz / (4 * samples)) / (1 + zz)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
 def _by_depth(hit: np.ndarray, depth: np.ndarray, parts: int = 4) -> list[dict[str, Any]]:
