@@ -7,7 +7,10 @@ The config comes from the file's metadata, the tokenizer and chat template from 
 keys (convert.gguf_tokenizer), the weights tensor by tensor: each is dequantized with `gguf`'s own
 dequantizers, presented under its HF name and layout, and written by convert.hf_llama's
 `write_checkpoint` into a file-backed buffer, so resident memory stays near one dequantized tensor
-(tests/test_gguf.py measures it).
+(tests/test_gguf.py measures it). `load_gguf` keeps the model plus about one tensor: loading
+SmolLM2-135M-Instruct (Q4_1, 513 MiB of fp32 parameters) peaks at 1.13 GB resident against 0.33 GB
+for the imports alone (bf16: 0.81 GB); the rest is one dequantized tensor (the 113 MB embedding),
+the mapped file (98 MB) and its parsed metadata.
 
 llama.cpp's converter stores the Q and K projections of `llama` models with the rows of each head
 interleaved for its pairwise rope; `unpermute_rope_rows` restores HF's half-split order (qwen2 and

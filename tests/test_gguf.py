@@ -172,6 +172,15 @@ def test_architecture_logits_match_float_reference(arch, tmp_path):
     np.testing.assert_allclose(np.asarray(model(ids)), ref, atol=1e-4 * np.abs(ref).max())
 
 
+def test_load_casts_to_bf16(tmp_path):
+    write_gguf(tmp_path / "m.gguf", "llama", hf_weights("llama"), "F16")
+    fp32, bf16 = jaxlongctx.load(tmp_path / "m.gguf"), jaxlongctx.load(tmp_path / "m.gguf", dtype="bf16")
+    assert str(fp32.dtype) == "float32" and str(bf16.dtype) == "bfloat16"
+    ids = np.arange(32, dtype=np.int32)[None] * 7 % VOCAB
+    ref = np.asarray(fp32(ids))
+    assert np.abs(np.asarray(bf16(ids)) - ref).max() < 0.05 * np.abs(ref).max()
+
+
 def _hf_layout(model) -> dict[str, np.ndarray]:
     """Our parameters under HF names and layout."""
     params = {k: np.asarray(v) for k, v in _flat(model)}
