@@ -101,12 +101,27 @@ def _special(meta: dict[str, Any], name: str) -> str | None:
     return None if i is None else meta["tokenizer.ggml.tokens"][int(i)]
 
 
+def _check_vocabulary(meta: dict[str, Any], where: str) -> None:
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ConversionError(f"{where}: tokenizer metadata without tokenizer.ggml.tokens")
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is not None and len(types) != len(tokens):
+        raise ConversionError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+    for name in ("bos", "eos", "unknown", "padding", "eot", "eom"):
+        i = meta.get(f"tokenizer.ggml.{name}_token_id")
+        if i is not None and not 0 <= int(i) < len(tokens):
+            raise ConversionError(f"{where}: tokenizer.ggml.{name}_token_id={i} is outside the {len(tokens)}-token "
+                                  "vocabulary")
+
+
 def build_tokenizer(meta: dict[str, Any], where: str) -> Tokenizer:
     """The `tokenizers.Tokenizer` that GGUF metadata `meta` describes."""
     kind = meta.get("tokenizer.ggml.model")
     builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
     if kind not in builders:
         raise ConversionError(f"{where}: unsupported tokenizer.ggml.model {kind!r} (supported: gpt2, llama)")
+    _check_vocabulary(meta, where)
     tok = builders[kind](meta, where)
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)

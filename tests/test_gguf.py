@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import jaxlongctx
-from convert.gguf_llama import SUPPORTED_TYPES, GGUFError, open_for_import, load_gguf
-from convert.hf_llama import stack_params, tensor_rules
+from convert.gguf_llama import SUPPORTED_TYPES, load_gguf, open_for_import
+from convert.hf_llama import ConversionError, stack_params, tensor_rules
 from gguf_synthetic import (ARCHS, K_BLOCKS, VOCAB, gpt2_chat_tokenizer, hf_config, hf_weights, llama_cpp_permute,
                             write_gguf)
 from jaxlongctx.chat import chat_messages
@@ -346,6 +346,8 @@ def _bad_file(kind: str, tmp_path: Path) -> Path:
         f.write_text("this is a text file, not a model\n")
     elif kind == "unsupported_arch":
         write_gguf(f, "llama", hf_weights("llama"), arch_name="phi2")
+    elif kind == "bad_tokenizer":
+        write_gguf(f, "llama", hf_weights("llama"), tokenizer=dict(gpt2_chat_tokenizer(TEXTS), eos=VOCAB + 5))
     elif kind == "unsupported_type":
         writer = gguf.GGUFWriter(str(f), "llama")
         writer.add_block_count(1)
@@ -368,6 +370,7 @@ def _bad_file(kind: str, tmp_path: Path) -> Path:
     ("not_gguf", "not a GGUF file"),
     ("unsupported_arch", "unsupported architecture 'phi2'"),
     ("unsupported_type", "type Q2_K, which is not supported"),
+    ("bad_tokenizer", f"eos_token_id={VOCAB + 5} is outside the {VOCAB}-token vocabulary"),
     ("truncated_header", "corrupt or truncated GGUF file"),
     ("truncated_data", "truncated"),
 ])
@@ -379,7 +382,7 @@ def test_bad_file_is_a_clear_error_and_leaves_nothing(kind, message, tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and str(f) in err, err
     assert set(tmp_path.iterdir()) == before  # no output, no temporary sibling
-    with pytest.raises(GGUFError, match=message):
+    with pytest.raises(ConversionError, match=message):  # GGUFError for the file, ConversionError for its tokenizer
         jaxlongctx.load(f)
 
 
