@@ -13,7 +13,8 @@ from typing import Any, Callable
 import jax
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "bench" / "results"
+# JAXLONGCTX_BENCH_RESULTS redirects every result elsewhere (bench/device_run.py gives each step its own folder).
+RESULTS_DIR = Path(os.environ.get("JAXLONGCTX_BENCH_RESULTS") or REPO_ROOT / "bench" / "results")
 # Set by `use_quick_results`: a `--quick` run writes `<name>_quick.json/png` (not committed), so that it
 # never overwrites the full results the README quotes.
 _QUICK = False

@@ -66,7 +66,7 @@ def _dense_chain(model, context: int, total_steps: int, batch: int):
     cfg = model.config
     capacity = context + total_steps
     _, step = _compiled(model, capacity, (0.0, None, None), (), 0)
-    shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)  # DenseCache [L B K S hd]
     k = jax.random.normal(jax.random.key(1), shape, model.dtype)
     cache = DenseCache(k, k * 0.5, jnp.arange(capacity)[None].repeat(batch, 0) < context)
     logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
@@ -144,6 +144,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--contexts", type=lambda v: [int(c) for c in v.split(",")],
+                   help="comma-separated context lengths instead of 1K..32K (bench/device_run.py: 32768)")
+    p.add_argument("--ds", type=lambda v: [int(d) for d in v.split(",")], default=[2, 4],
+                   help="comma-separated PQ sub-vector sizes (default 2,4)")
     args = p.parse_args(argv)
     use_quick_results(args.quick)
 
@@ -151,9 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     gpu = jax.default_backend() == "gpu"
     cfg, dtype = (LLAMA2_7B, jnp.bfloat16) if gpu else (_our_config(), jnp.float32)
-    contexts = [1024, 2048, 4096, 8192] + ([] if args.quick else [16384, 32768])
+    contexts = args.contexts or [1024, 2048, 4096, 8192] + ([] if args.quick else [16384, 32768])
     model = Model.init(cfg, dtype=dtype)
-    books = {ds: _random_codebooks(cfg, ds) for ds in (2, 4)}
+    books = {ds: _random_codebooks(cfg, ds) for ds in args.ds}
     total = args.steps * (args.repeats + 1)
     timing = []
     for n in contexts:
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
             row[f"dense_over_pq_ds{ds}_amortized"] = row["dense_s_per_token"] / amortized
     payload = {
         "config": {"model_config": cfg.to_dict(), "dtype": jnp.dtype(dtype).name, "batch": args.batch,
-                   "window": args.window, "steps_per_call": args.steps, "repeats": args.repeats,
+                   "window": args.window, "steps_per_call": args.steps, "repeats": args.repeats, "contexts": contexts,
+                   "ds": list(books),
                    "codebooks": "shared, 8-bit, random centroids", "quick": args.quick,
                    "pq_backend": "pallas" if gpu else "xla"},
         "timing": timing,
@@ -193,7 +198,7 @@ def _plot(payload: dict, path: Path) -> None:
     fig, (a, b) = subplots(1, 2, figsize=(11, 4))
     ctx = [r["context"] for r in payload["timing"]]
     a.plot(ctx, [1e3 * r["dense_s_per_token"] for r in payload["timing"]], "o-", label="dense")
-    for ds in (2, 4):
+    for ds in payload["config"]["ds"]:
         a.plot(ctx, [1e3 * r[f"pq_ds{ds}_amortized_s_per_token"] for r in payload["timing"]], "o-",
                label=f"pq ds{ds} (flush amortized)")
     a.set(xscale="log", xlabel="context (tokens)", ylabel="ms per output token",
