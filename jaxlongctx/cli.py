@@ -39,8 +39,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     for name in ("context", "samples", "facts", "prompt_tokens", "new_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.real_doc_tokens < 0:
+        raise ValueError(f"--real-doc-tokens must be >= 0, got {args.real_doc_tokens}")
     result = run_demo(base=base, armt=armt, codebooks=codebooks, context=args.context, samples=args.samples,
-                      facts=args.facts, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+                      facts=args.facts, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                      real_doc_tokens=args.real_doc_tokens)
     if args.json:
         print(json.dumps(result))
     return 0
@@ -164,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="facts per haystack; the question asks for one of them (default 4)")
     d.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length for decoding (default 8192)")
     d.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    d.add_argument("--real-doc-tokens", type=int, default=2500,
+                   help="document length for the real-model part, SmolLM2-135M-Instruct (default 2500; 0 leaves it out)")
     d.add_argument("--json", action="store_true", help="also print the measurements as one JSON line")
     add_parallel_arguments(d)
     d.set_defaults(func=_cmd_demo)

