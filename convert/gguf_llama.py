@@ -246,11 +246,3 @@ def convert_gguf_to_ckpt(gguf_file: str | Path, out: str | Path, dtype: str | No
     return write_checkpoint(tensors, config, out, dtype or "fp32", source=gguf_file, extras=extras, overwrite=overwrite,
                             progress=progress)
 
-
-def is_gguf(path: str | Path) -> bool:
-    """True if `path` is a file that starts with the GGUF magic."""
-    path = Path(path)
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == GGUF_MAGIC

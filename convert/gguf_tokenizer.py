@@ -150,7 +150,7 @@ def tokenizer_parts(meta: dict[str, Any], where: str) -> tuple[Tokenizer, dict[s
     }
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
-    stops = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom") if f"tokenizer.ggml.{k}_token_id" in meta]
+    stops = [meta[key] for k in ("eos", "eot", "eom") if (key := f"tokenizer.ggml.{k}_token_id") in meta]
     stops += [i for t in END_OF_TURN_TOKENS if (i := tok.token_to_id(t)) is not None]  # for transformers too
     generation = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
                   "eos_token_id": list(dict.fromkeys(int(i) for i in stops)),

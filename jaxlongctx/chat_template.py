@@ -49,7 +49,8 @@ def compile_template(source: str) -> Any:
 def check_messages(messages: Any) -> list[Message]:
     """Messages as a list of {"role": str, "content": str} dicts, or a ChatTemplateError saying what is wrong."""
     if not isinstance(messages, (list, tuple)):
-        raise ChatTemplateError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+        raise ChatTemplateError("messages must be a list of {'role', 'content'} dicts, "
+                                f"got {type(messages).__name__}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ChatTemplateError(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")

@@ -163,7 +163,8 @@ def test_chat_templates_render_as_transformers_renders_them(chat_gguf, chat_mode
 def test_chat_template_errors():
     from jaxlongctx.chat_template import ChatTemplateError, render_chat
 
-    refuses_tools = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
+    refuses_tools = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+                     "{% endif %}{% endfor %}")
     with pytest.raises(ChatTemplateError, match="refused the messages: no tools"):
         render_chat(refuses_tools, [{"role": "tool", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="message 0 must be a dict"):

@@ -354,7 +354,8 @@ def _bad_file(kind: str, tmp_path: Path) -> Path:
         writer.add_embedding_length(256)
         writer.add_feed_forward_length(512)
         writer.add_head_count(4)
-        writer.add_tensor("token_embd.weight", np.zeros((VOCAB, 84), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+        q2_k_blocks = np.zeros((VOCAB, 84), np.uint8)  # one 84-byte Q2_K block per row of 256
+        writer.add_tensor("token_embd.weight", q2_k_blocks, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
