@@ -281,6 +281,33 @@ def test_convert_cli_export_and_chat_files(tmp_path, capsys):
     assert from_ckpt.tokenizer.stop_ids[0] == 2
 
 
+@pytest.mark.parametrize("pre", ["default", "llama-bpe", "qwen2"])
+def test_byte_level_pre_splits_match_transformers(pre, tmp_path):
+    """The text split named by tokenizer.ggml.pre (GPT-2's, Llama 3's, Qwen2's) as transformers applies it."""
+    from transformers import AutoTokenizer
+
+    from convert.gguf_tokenizer import build_tokenizer
+
+    meta = dict(gpt2_chat_tokenizer(TEXTS), pre=pre)
+    write_gguf(tmp_path / "m.gguf", "llama", hf_weights("llama"), tokenizer=meta)
+    ours = build_tokenizer(open_for_import(tmp_path / "m.gguf")[0], "m.gguf")
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    for text in TEXTS + ["x = 1234567 + 89;\r\n\r\n  y's  ok"]:
+        assert ours.encode(text).ids == ref(text).input_ids, text
+
+
+def test_smollm_pre_split_keeps_digits_apart(tmp_path):
+    """`smollm` (like llama.cpp's starcoder family) splits every digit before BPE, as SmolLM2's own
+    tokenizer does, even where the vocabulary has multi-digit merges."""
+    from convert.gguf_tokenizer import build_tokenizer
+
+    meta = dict(gpt2_chat_tokenizer(TEXTS + ["in 2024 in 2024 in 2024"] * 500), pre="smollm")
+    write_gguf(tmp_path / "m.gguf", "llama", hf_weights("llama"), tokenizer=meta)
+    ours = build_tokenizer(open_for_import(tmp_path / "m.gguf")[0], "m.gguf")
+    assert ours.token_to_id("\u01202024") is not None  # the vocabulary merges " 2024" whole
+    assert [ours.decode([i]) for i in ours.encode("in 2024").ids][-4:] == ["2", "0", "2", "4"]
+
+
 def _trained_sentencepiece_tokenizer() -> dict:
     """A SentencePiece-style vocabulary: <unk> <s> </s>, 256 byte tokens, then BPE pieces scored by rank."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
