@@ -71,9 +71,9 @@ def steps() -> list[Step]:
         Step("armt_schedule", ("bench.armt_schedule", "--sweep", "device"),
              ("bench.armt_schedule", "--sweep", "device_dry_run"), 150),
         Step("pq_decode", ("bench.pq_decode", "--contexts", "32768"),
-             ("bench.pq_decode", "--contexts", "256", "--steps", "2", "--repeats", "1", "--ds", "4"), 60),
+             ("bench.pq_decode", "--contexts", "256", "--steps", "2", "--repeats", "1", "--ds", "4"), 75),
         # the real SmolLM2 has no toy size (its CPU runs are bench.real_model's own, minutes long)
-        Step("real_model", ("bench.real_model", "--quick"), None, 45, needs="bench/real_model.py"),
+        Step("real_model", ("bench.real_model", "--quick"), None, 40, needs="bench/real_model.py"),
     ]
 
 

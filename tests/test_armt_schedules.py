@@ -38,7 +38,6 @@ def test_sequential_matches_numpy_spec():
     assert np.abs(plain[8:] - ref[8:]).max() > 1e-2
 
 
-@pytest.mark.jaxmin
 @pytest.mark.parametrize("length", [16, 24, 45, 90], ids=["S<L", "S=L", "S>L-short-last", "S>L-chunked"])
 def test_diagonal_equals_sequential(length):
     armt = shared_armt()

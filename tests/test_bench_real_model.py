@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
+import pytest
 
 import jaxlongctx
 from bench import real_model
+
+torch = pytest.importorskip("torch")  # the oracle; absent on the jax-min lane
 
 
 def test_compare_row_and_plot(hf_family_dir, tmp_path, monkeypatch):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.device_run import Step, main, run
 from bench.device_summary import summarize
 
@@ -15,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 MEASURED = ("limits", "pytest", "kernels", "armt_schedule", "pq_decode")
 
 
+@pytest.mark.jaxmin  # the GPU image's jax: the one the device run meets
 def test_cpu_dry_run_runs_every_step(tmp_path):
     """The documented command, at toy sizes: every step passes and the summary holds every ratio."""
     out = tmp_path / "gpu"
