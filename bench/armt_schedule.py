@@ -123,8 +123,8 @@ def run(sweep_name: str, save: Callable[[dict[str, Any]], Any] = lambda payload:
         fns = {"full": lambda: model(ids)} if full else {}
         for name, a in armts.items():
             fns[f"sequential {name}"] = lambda a=a: a(ids, schedule="sequential")
-            fns.update({k: lambda f=f: f(ids) for k, f in diagonal_runs(a, name, projections, sweep.get("kernel", "auto")
-                                                                         ).items()})
+            diagonal = diagonal_runs(a, name, projections, sweep.get("kernel", "auto"))
+            fns.update({k: lambda f=f: f(ids) for k, f in diagonal.items()})
         times = interleaved_times(fns, repeats=sweep["repeats"])
         row = {"length": length, "times": times,
                "full_attention_kv_bytes": armts[next(iter(armts))].full_attention_kv_bytes(length)}

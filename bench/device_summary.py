@@ -15,6 +15,7 @@ from typing import Any, Callable
 GOAL_DIAGONAL_SPEEDUP = 2.0
 GOAL_PQ_ATTENTION_SPEEDUP = 2.0
 GOAL_GEMM_SLOWDOWN = 1.10  # grouped GEMM time at most this times ragged_dot's
+STEP_FIELDS = ("status", "seconds", "cpu_s", "timeout_s", "returncode", "reason")  # of each step in the summary
 
 
 def only_result(record: dict[str, Any] | None) -> dict[str, Any]:
@@ -34,14 +35,14 @@ def layer_matmul_params(model: dict[str, Any]) -> int:
 
 def ceilings(limits: dict[str, Any]) -> dict[str, float]:
     """Measured read bandwidth (bytes/s) and bf16 matmul rate (FLOP/s)."""
-    return {"read_bytes_per_s": limits["read_bytes_per_s"], "bf16_matmul_flops_per_s": limits["bf16_matmul_flops_per_s"]}
+    return {key: limits[key] for key in ("read_bytes_per_s", "bf16_matmul_flops_per_s")}
 
 
 def kernel_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
     """Grouped GEMM vs einsum / ragged_dot, and PQ decode attention vs bf16 attention."""
     flops_peak, bandwidth = ceil.get("bf16_matmul_flops_per_s"), ceil.get("read_bytes_per_s")
     gemm = []
-    for row in payload["grouped_matmul"]:
+    for row in payload.get("grouped_matmul", []):  # absent when the step ran out of time
         tflops = row["active_tflops"]
         gemm.append({"projection": row["projection"], "num_active": row["num_active"],
                      "einsum_over_pallas": row["time_over_pallas"]["einsum"],
@@ -50,7 +51,7 @@ def kernel_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[str, 
                      **({f"{m}_fraction_of_matmul_peak": tflops[m] * 1e12 / flops_peak for m in tflops}
                         if flops_peak else {})})
     attention = []
-    for row in payload["pq_decode_attention"]:
+    for row in payload.get("pq_decode_attention", []):
         times = {m: t["median_s"] for m, t in row["times"].items()}
         entry = {"context": row["context"],
                  **{f"{m}_speedup_over_bf16": v for m, v in row["exact_bf16_over_pq"].items()}}
@@ -60,8 +61,8 @@ def kernel_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[str, 
                 entry[f"pq_pallas_{ds}_fraction_of_bandwidth"] = code_bytes / times[f"pq_pallas_{ds}"] / bandwidth
         attention.append(entry)
     checks = payload["correctness"]
-    return {"correctness_ok": f"{sum(c['ok'] for c in checks)}/{len(checks)}", "grouped_matmul": gemm,
-            "pq_decode_attention": attention}
+    return {"complete": payload.get("complete", False), "grouped_matmul": gemm, "pq_decode_attention": attention,
+            "correctness_ok": f"{sum(c['ok'] for c in checks)}/{len(checks)}"}
 
 
 def armt_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
@@ -165,8 +166,7 @@ def summarize(records: dict[str, dict[str, Any]], environment: dict[str, Any]) -
         ratios["real_model"] = {k: v.get("summary", v) for k, v in real.items()}
     pytest = ((records.get("pytest") or {}).get("results") or {}).get("pytest", {}).get("counts")
     return {
-        "steps": {name: {k: r.get(k) for k in ("status", "seconds", "cpu_s", "timeout_s", "returncode", "reason") if k in r}
-                  for name, r in records.items()},
+        "steps": {name: {k: r[k] for k in STEP_FIELDS if k in r} for name, r in records.items()},
         "environment": {**environment, "jax_devices": limits.get("environment", {}).get("devices"),
                         "jax_backend": limits.get("environment", {}).get("backend")},
         "ceilings": ceil, "gpu_tests": pytest, "ratios": ratios, "goals": goals(ratios),

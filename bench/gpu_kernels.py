@@ -257,10 +257,14 @@ def main() -> int:
     checks = check_gemm(cfg, rng) + check_pq(cfg, rng)
     failed = [c for c in checks if not c["ok"]]
     print(f"correctness: {len(checks) - len(failed)}/{len(checks)} ok" + "".join(f"\n  FAIL {c}" for c in failed))
-    gemm_rows, pq_rows = time_gemm(cfg, rng), time_pq(cfg, rng)
-    write_result(name, {"config": dataclasses.asdict(cfg), "correctness": checks, "grouped_matmul": gemm_rows,
-                        "pq_decode_attention": pq_rows})
-    plot(gemm_rows, pq_rows, name)
+    # saved after each part, so that a time-boxed run (bench/device_run.py) keeps what it measured
+    payload = {"config": dataclasses.asdict(cfg), "correctness": checks, "complete": False}
+    write_result(name, payload)
+    payload["grouped_matmul"] = time_gemm(cfg, rng)
+    write_result(name, payload)
+    payload.update(pq_decode_attention=time_pq(cfg, rng), complete=True)
+    write_result(name, payload)
+    plot(payload["grouped_matmul"], payload["pq_decode_attention"], name)
     return 1 if failed else 0
 
 
