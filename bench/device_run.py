@@ -227,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     only = tuple(filter(None, args.only.split(",")))
     if unknown := sorted(set(only) - set(names)):
         parser.error(f"--only: unknown steps {', '.join(unknown)} (steps: {', '.join(names)})")
+    if not any(Path(entry or ".").resolve() == REPO_ROOT for entry in sys.path):
+        print("error: the repository is not on the import path; from its root run "
+              "`PYTHONPATH=. python3 bench/device_run.py ...` or `python3 -m bench.device_run ...`", file=sys.stderr)
+        return 2
     step_env = dict(os.environ)
     os.environ["JAX_PLATFORMS"] = "cpu"  # before anything imports jax: the accelerator is the steps' alone
     from jaxlongctx.output_dir import OutputError, atomic_directory

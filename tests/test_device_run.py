@@ -88,3 +88,11 @@ def test_summary_of_partial_results_reports_errors():
     summary = summarize({"limits": {"status": "timeout", "results": {}}}, {"cpu_dry_run": True})
     assert summary["steps"] == {"limits": {"status": "timeout"}}
     assert "error" in summary["ceilings"] and summary["goals"] == {}
+
+
+def test_needs_the_repository_on_the_import_path(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "device_run.py"), "--out", str(tmp_path / "x")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "PYTHONPATH=. python3 bench/device_run.py" in proc.stderr
+    assert not (tmp_path / "x").exists()
