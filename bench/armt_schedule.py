@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import interleaved_times, plot_path, save_plot, subplots, write_result
+from bench.common import interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result
 from jaxlongctx.armt import ARMTConfig
 from jaxlongctx.armt.diagonal import (PIPELINE_ALWAYS, batch_cells, computed_cells, diagonal_pays_off, empty_pipeline,
                                      fixed_buffer_waste, plan, run_block)
@@ -211,6 +211,7 @@ def main() -> None:
         write_result(name, payload)
         plot(payload, name)
         return
+    use_quick_results(args.quick)
     gpu = jax.default_backend() == "gpu"
     sweep = "gpu" if gpu else ("cpu_quick" if args.quick else "cpu")
     payload = run(sweep)

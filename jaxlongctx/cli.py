@@ -60,6 +60,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from jaxlongctx.chat import chat_messages, read_prompt_text, stop_ids
     from jaxlongctx.config import eos_ids
     from jaxlongctx.tokenizer import TextStream
+    from jaxlongctx.validation import check_text
 
     model = load(args.ckpt, args.dtype, mesh=mesh_from_args(args))
     kwargs = kv_cache_kwargs(args, model)
@@ -87,6 +88,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if text is not None:
         if model.tokenizer is None:
             raise ValueError(f"{args.ckpt} has no tokenizer.json; pass token ids with --ids instead of --prompt")
+        text = check_text(text, "--prompt")
         ids = np.asarray([model.tokenizer.apply_chat_template(chat_messages(text, args.system),
                                                               add_generation_prompt=True, tokenize=True)
                           if args.chat else model.tokenizer.encode(text).ids], np.int32)
