@@ -79,15 +79,6 @@ def declares_checkpoint(path: str | Path) -> bool:
     return isinstance(meta, dict) and str(meta.get("format", "")).startswith("jaxlongctx-checkpoint")
 
 
-def is_checkpoint(path: str | Path) -> bool:
-    """True if `path` holds one of our checkpoints."""
-    try:
-        read_metadata(path)
-        return True
-    except CheckpointError:
-        return False
-
-
 def save_model(module: Llama, path: str | Path, *, overwrite: bool = False,
                tokenizer_file: str | Path | None = None) -> Path:
     """Save a model atomically; returns the checkpoint path."""

@@ -101,7 +101,7 @@ def check_output(out: str | Path, *, overwrite: bool = False, inputs: Iterable[s
         src = Path(item).resolve()
         if src == real or src.is_relative_to(real):
             raise OutputError(f"{out}: the output is or contains the input {item}; choose another output")
-    if out.is_symlink() or out.exists():
+    if os.path.lexists(out):
         if not out.is_dir() or out.is_symlink():
             raise OutputError(f"{out}: exists and is not a directory; refusing to replace it")
         if not overwrite:
@@ -178,10 +178,10 @@ def write_marker(directory: Path, kind: str) -> None:
 
 def _swap_in(tmp: Path, out: Path, overwrite: bool, inputs: Iterable[str | Path | None]) -> None:
     """Move the complete directory `tmp` to `out`; an old `out` is replaced only after it is checked again."""
-    if not (out.exists() or out.is_symlink()):
+    if not os.path.lexists(out):
         if _rename(tmp, out, _RENAME_NOREPLACE):
             return
-        if not (out.exists() or out.is_symlink()):
+        if not os.path.lexists(out):
             os.rename(tmp, out)  # no renameat2 here: a tiny check-then-act window remains
             return
     if not overwrite:
@@ -214,8 +214,6 @@ def atomic_directory(out: str | Path, *, overwrite: bool = False, kind: str = "c
         write_marker(tmp, kind)
         try:
             _swap_in(tmp, out, overwrite, inputs)
-        except FileExistsError:
-            raise OutputError(f"{out}: appeared while the output was being written; left it untouched") from None
         except OSError as e:
             if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
                 raise OutputError(f"{out}: appeared while the output was being written; left it untouched") from None

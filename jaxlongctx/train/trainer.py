@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from jaxlongctx.checkpoint import CheckpointError
+from jaxlongctx.checkpoint import CheckpointError, on_device
 from jaxlongctx.output_dir import MARKER, OutputError, atomic_directory, is_ours, write_marker
 
 LossFn = Callable[[Any, Any, dict[str, jnp.ndarray]], jnp.ndarray]  # (params, frozen, batch) -> scalar
@@ -122,7 +122,7 @@ class Trainer:
             meta = json.loads((path / "trainer.json").read_text())
             target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._state_tree())
             with ocp.StandardCheckpointer() as ckptr:
-                state = ckptr.restore(path / "state", target)
+                state = ckptr.restore(path / "state", on_device(target))
         except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: cannot restore training state ({type(e).__name__}: {e})") from None
         if meta["total_steps"] != self.config.steps:
