@@ -3,6 +3,7 @@
 #   ./run.sh demo [args]   run the main job (jaxlongctx demo) on the embedded default model
 #   ./run.sh test [args]   run the default test suite (pytest args pass through)
 #   ./run.sh test-jax-min  kernel, lowering and smoke tests on the oldest supported jax (.venv-jaxmin)
+#   ./run.sh lint          ruff check and ruff format --check (configured in pyproject.toml)
 # Anything else runs the CLI: ./run.sh generate --help
 # First use creates .venv with Python >= 3.12 and installs the project; later runs reuse it.
 set -euo pipefail
@@ -86,6 +87,10 @@ case "$cmd" in
     test)
         ensure_venv test
         exec .venv/bin/python -m pytest "$@" ;;
+    lint)
+        ensure_venv test
+        .venv/bin/ruff check .
+        exec .venv/bin/ruff format --check . ;;
     test-jax-min)
         ensure_jaxmin_venv
         # only the files with jaxmin tests: the others may import the torch oracle, absent there

@@ -50,9 +50,14 @@ def measure(models: dict[str, Any], context: int, new_tokens: int, repeats: int)
     for name, ts in runs.items():
         prefill = statistics.median(t["prefill_s"] for t in ts)
         decode = statistics.median(t["decode_s"] for t in ts)
-        row[name] = {"prefill_s": prefill, "decode_s": decode, "prefill_tokens_per_s": context / prefill,
-                     "decode_tokens_per_s": new_tokens / decode,
-                     "first_call_s": first[name]["prefill_s"] + first[name]["decode_s"], "repeats": repeats}
+        row[name] = {
+            "prefill_s": prefill,
+            "decode_s": decode,
+            "prefill_tokens_per_s": context / prefill,
+            "decode_tokens_per_s": new_tokens / decode,
+            "first_call_s": first[name]["prefill_s"] + first[name]["decode_s"],
+            "repeats": repeats,
+        }
     row["decode_speedup_armt_vs_full"] = row["full_attention"]["decode_s"] / row["armt"]["decode_s"]
     row["prefill_speedup_armt_vs_full"] = row["full_attention"]["prefill_s"] / row["armt"]["prefill_s"]
     return row
@@ -62,16 +67,22 @@ def memory_bytes(armt: Any, base: Any, context: int, new_tokens: int) -> dict[st
     """Decoding memory: ARMT state + window cache, and the dense cache full attention allocates."""
     window = 2 * armt.armt.segment_size
     capacity = bucket_length(bucket_length(context) + new_tokens)  # as `generate` sizes it
-    return {"armt_state": armt.state_bytes(),
-            "armt_window_cache": dense_cache_bytes(armt.config, window, itemsize=DTYPE_BYTES),
-            "full_attention_cache": dense_cache_bytes(base.config, capacity, itemsize=DTYPE_BYTES)}
+    return {
+        "armt_state": armt.state_bytes(),
+        "armt_window_cache": dense_cache_bytes(armt.config, window, itemsize=DTYPE_BYTES),
+        "full_attention_cache": dense_cache_bytes(base.config, capacity, itemsize=DTYPE_BYTES),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1K and 4K prompts, 2 repeats")
-    p.add_argument("--new-tokens", type=int, default=256,
-                   help="tokens generated per run (default 256: crosses ARMT's first window commit)")
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=256,
+        help="tokens generated per run (default 256: crosses ARMT's first window commit)",
+    )
     p.add_argument("--armt-ckpt", default=str(ARMT_MODEL))
     p.add_argument("--base-ckpt", default=str(BASE_MODEL))
     args = p.parse_args()
@@ -88,21 +99,40 @@ def main() -> None:
         row["memory_bytes"] = memory_bytes(armt, base, context, args.new_tokens)
         rows.append(row)
         armt_tps, full_tps = (row[n]["decode_tokens_per_s"] for n in models)
-        tqdm.write(f"{context:6d} tokens: decode ARMT {armt_tps:6.1f} tok/s, full {full_tps:6.1f} tok/s "
-                   f"(x{row['decode_speedup_armt_vs_full']:.2f}); prefill x{row['prefill_speedup_armt_vs_full']:.2f}")
-    write_result("armt_decode", {
-        "armt_ckpt": repo_path(args.armt_ckpt), "base_ckpt": repo_path(args.base_ckpt), "quick": args.quick,
-        "new_tokens": args.new_tokens, "schedule": "diagonal", "dtype": "float32", "results": rows,
-        "plot": "armt_decode.png"})
+        tqdm.write(
+            f"{context:6d} tokens: decode ARMT {armt_tps:6.1f} tok/s, full {full_tps:6.1f} tok/s "
+            f"(x{row['decode_speedup_armt_vs_full']:.2f}); prefill x{row['prefill_speedup_armt_vs_full']:.2f}"
+        )
+    write_result(
+        "armt_decode",
+        {
+            "armt_ckpt": repo_path(args.armt_ckpt),
+            "base_ckpt": repo_path(args.base_ckpt),
+            "quick": args.quick,
+            "new_tokens": args.new_tokens,
+            "schedule": "diagonal",
+            "dtype": "float32",
+            "results": rows,
+            "plot": "armt_decode.png",
+        },
+    )
 
     fig, (ax_t, ax_m) = subplots(1, 2, figsize=(11, 4))
     for name, label in (("armt", "ARMT (diagonal)"), ("full_attention", "full attention")):
         ax_t.plot(contexts, [r[name]["decode_tokens_per_s"] for r in rows], "o-", label=label)
     ax_t.set_ylabel(f"decode tokens/s ({args.new_tokens} new, batch 1)")
-    ax_m.plot(contexts, [r["memory_bytes"]["armt_state"] + r["memory_bytes"]["armt_window_cache"] for r in rows],
-              "o-", label="ARMT state + window cache")
-    ax_m.plot(contexts, [r["memory_bytes"]["full_attention_cache"] for r in rows], "o-",
-              label="full-attention KV cache")
+    ax_m.plot(
+        contexts,
+        [r["memory_bytes"]["armt_state"] + r["memory_bytes"]["armt_window_cache"] for r in rows],
+        "o-",
+        label="ARMT state + window cache",
+    )
+    ax_m.plot(
+        contexts,
+        [r["memory_bytes"]["full_attention_cache"] for r in rows],
+        "o-",
+        label="full-attention KV cache",
+    )
     ax_m.set_yscale("log")
     ax_m.set_ylabel("decoding memory (bytes, fp32)")
     for ax in (ax_t, ax_m):

@@ -28,12 +28,22 @@ from jaxlongctx.demo import ARMT_MODEL
 from jaxlongctx.loading import load
 from jaxlongctx.train.evaluate import retrieval_accuracy
 
-CELL_KEYS = ("length", "target_depth", "asked_depth", "samples", "exact_match", "exact_match_ci95",
-             "digit_accuracy", "first_digit_other_fact_rate", "from_memory_samples")
+CELL_KEYS = (
+    "length",
+    "target_depth",
+    "asked_depth",
+    "samples",
+    "exact_match",
+    "exact_match_ci95",
+    "digit_accuracy",
+    "first_digit_other_fact_rate",
+    "from_memory_samples",
+)
 
 
-def depth_grid(ckpt: Path, counts: list[int], lengths: list[int], depths: list[float], samples: int,
-               quick: bool = False) -> dict:
+def depth_grid(
+    ckpt: Path, counts: list[int], lengths: list[int], depths: list[float], samples: int, quick: bool = False
+) -> dict:
     """Score every (fact count, length, depth) cell on `samples` held-out samples; write the JSON and
     the heatmaps, and return the JSON's payload."""
     if not lengths or not depths or not counts or samples < 1:
@@ -50,14 +60,29 @@ def depth_grid(ckpt: Path, counts: list[int], lengths: list[int], depths: list[f
             line = []
             for depth in depths:
                 t0 = time.perf_counter()
-                r = retrieval_accuracy(logits, length, samples, num_facts=facts, segment_size=armt.armt.segment_size,
-                                       segment_starts=armt.segment_starts, target_depth=depth, progress=True)
+                r = retrieval_accuracy(
+                    logits,
+                    length,
+                    samples,
+                    num_facts=facts,
+                    segment_size=armt.armt.segment_size,
+                    segment_starts=armt.segment_starts,
+                    target_depth=depth,
+                    progress=True,
+                )
                 line.append({**{k: r[k] for k in CELL_KEYS}, "wall_s": time.perf_counter() - t0})
                 print(name, length, depth, f"exact match {r['exact_match']:.3f}", flush=True)
             rows[name].append(line)
-    payload = {"armt_ckpt": repo_path(ckpt), "segmentation": armt.segmentation, "quick": quick,
-               "lengths": lengths, "depths": depths, "samples_per_cell": samples, "results": rows,
-               "plot": "armt_depth.png"}
+    payload = {
+        "armt_ckpt": repo_path(ckpt),
+        "segmentation": armt.segmentation,
+        "quick": quick,
+        "lengths": lengths,
+        "depths": depths,
+        "samples_per_cell": samples,
+        "results": rows,
+        "plot": "armt_depth.png",
+    }
     write_result("armt_depth", payload)
     _plot(rows, lengths, depths, samples, armt.segmentation)
     return payload
@@ -69,8 +94,13 @@ def _facts_label(name: str) -> str:
     return f"{count} fact{'s' if count != 1 else ''}"
 
 
-def _plot(rows: dict[str, list[list[dict]]], lengths: list[int], depths: list[float], samples: int,
-          segmentation: str) -> None:
+def _plot(
+    rows: dict[str, list[list[dict]]],
+    lengths: list[int],
+    depths: list[float],
+    samples: int,
+    segmentation: str,
+) -> None:
     """One heatmap per fact count (length down, depth across, exact match in %), and exact match
     against depth at the longest length for every count, with 95% intervals."""
     fig, axes = subplots(1, len(rows) + 1, figsize=(4.2 * (len(rows) + 1), 3.8), squeeze=False)
@@ -83,27 +113,31 @@ def _plot(rows: dict[str, list[list[dict]]], lengths: list[int], depths: list[fl
         ax.set_yticks(range(len(lengths)), [f"{n:,}" for n in lengths])
         ax.set_xlabel("asked fact's depth (0 = start, 1 = question)")
         ax.set_ylabel("context length (tokens)")
-        ax.set_title(f"{_facts_label(name)}: exact match, {samples} samples per cell",
-                     fontsize=9)
+        ax.set_title(f"{_facts_label(name)}: exact match, {samples} samples per cell", fontsize=9)
     ax = axes[0, -1]
     for name, grid in rows.items():
         y = np.array([c["exact_match"] for c in grid[-1]])
         ci = np.array([c["exact_match_ci95"] for c in grid[-1]]).T
-        ax.errorbar(depths, y, yerr=np.abs(ci - y), fmt="o-", capsize=3,
-                    label=_facts_label(name))
-    ax.axhline(GOAL_EXACT_MATCH, color="grey", linestyle="--", linewidth=1, label=f"goal ({GOAL_EXACT_MATCH:.0%})")
+        ax.errorbar(depths, y, yerr=np.abs(ci - y), fmt="o-", capsize=3, label=_facts_label(name))
+    ax.axhline(
+        GOAL_EXACT_MATCH, color="grey", linestyle="--", linewidth=1, label=f"goal ({GOAL_EXACT_MATCH:.0%})"
+    )
     ax.set_xlabel("asked fact's depth")
     ax.set_ylabel(f"exact match at {lengths[-1]:,} tokens (bars: 95%)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(f"ARMT (diagonal schedule, {SEGMENTATION_LABELS[segmentation]}): exact match by length and depth")
+    fig.suptitle(
+        f"ARMT (diagonal schedule, {SEGMENTATION_LABELS[segmentation]}): exact match by length and depth"
+    )
     save_plot(fig, plot_path("armt_depth"), dpi=110)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="512 and 2K tokens, depths 0.1 and 0.9, 4 samples, 1-2 facts")
+    p.add_argument(
+        "--quick", action="store_true", help="512 and 2K tokens, depths 0.1 and 0.9, 4 samples, 1-2 facts"
+    )
     p.add_argument("--armt-ckpt", default=str(ARMT_MODEL))
     p.add_argument("--num-facts", default="1,2,4")
     p.add_argument("--lengths", default="4096,16384,32768,65536")

@@ -36,8 +36,9 @@ def greedy_answers(armt, length: int, samples: int, num_facts: int) -> dict[str,
     tokenizer = load_default_tokenizer()
     right = other = 0
     for start in range(0, samples, GREEDY_BATCH):
-        raw = held_out_batch(range(start, min(start + GREEDY_BATCH, samples)), length, tokenizer,
-                             num_facts=num_facts)
+        raw = held_out_batch(
+            range(start, min(start + GREEDY_BATCH, samples)), length, tokenizer, num_facts=num_facts
+        )
         answer, codes = raw["answer_ids"], raw["fact_answer_ids"]  # B D, B F D
         got = np.asarray(generate_ids(armt, raw["ids"], CODE_DIGITS))[:, -CODE_DIGITS:]  # B D
         ok = (got == answer).all(axis=1)
@@ -62,24 +63,52 @@ def main() -> None:
     for facts in (2, 4):
         for length, samples in plan:
             t0 = time.perf_counter()
-            r = retrieval_accuracy(decoding_logits, length, samples, num_facts=facts, segment_size=segment,
-                                   segment_starts=armt.segment_starts)
-            cell = {key: r[key] for key in ("num_facts", "length", "samples", "exact_match", "exact_match_ci95",
-                                            "digit_accuracy", "wrong_digit_rate", "first_digit_other_fact_rate",
-                                            "in_segment_samples", "in_segment_exact_match")}
+            r = retrieval_accuracy(
+                decoding_logits,
+                length,
+                samples,
+                num_facts=facts,
+                segment_size=segment,
+                segment_starts=armt.segment_starts,
+            )
+            cell = {
+                key: r[key]
+                for key in (
+                    "num_facts",
+                    "length",
+                    "samples",
+                    "exact_match",
+                    "exact_match_ci95",
+                    "digit_accuracy",
+                    "wrong_digit_rate",
+                    "first_digit_other_fact_rate",
+                    "in_segment_samples",
+                    "in_segment_exact_match",
+                )
+            }
             cell.update(greedy_answers(armt, length, samples, facts), wall_s=time.perf_counter() - t0)
             cells.append(cell)
             print(cell, flush=True)
-    write_result("armt_fact_errors", {"armt_ckpt": repo_path(args.armt_ckpt), "segment_size": segment,
-                                      "segmentation": armt.segmentation,
-                                      "quick": args.quick, "cells": cells, "plot": "armt_fact_errors.png"})
+    write_result(
+        "armt_fact_errors",
+        {
+            "armt_ckpt": repo_path(args.armt_ckpt),
+            "segment_size": segment,
+            "segmentation": armt.segmentation,
+            "quick": args.quick,
+            "cells": cells,
+            "plot": "armt_fact_errors.png",
+        },
+    )
     _plot(cells, segment)
 
 
 def _plot(cells: list[dict], segment: int) -> None:
     fig, axes = subplots(1, 2, figsize=(12, 4))
-    labels = [f"{c['num_facts']} facts\n{c['length']:,} tok" + (" (1 seg)" if c["length"] == segment else "")
-              for c in cells]
+    labels = [
+        f"{c['num_facts']} facts\n{c['length']:,} tok" + (" (1 seg)" if c["length"] == segment else "")
+        for c in cells
+    ]
     x = np.arange(len(cells))
     right = np.array([c["greedy_exact_match"] for c in cells])
     other = np.array([c["greedy_other_fact_code_rate"] for c in cells])
@@ -94,8 +123,12 @@ def _plot(cells: list[dict], segment: int) -> None:
     ax = axes[1]  # teacher forcing: which digit is wrong
     width = 0.8 / CODE_DIGITS
     for d in range(CODE_DIGITS):
-        ax.bar(x + (d - (CODE_DIGITS - 1) / 2) * width, [c["wrong_digit_rate"][d] for c in cells], width,
-               label=f"digit {d + 1}")
+        ax.bar(
+            x + (d - (CODE_DIGITS - 1) / 2) * width,
+            [c["wrong_digit_rate"][d] for c in cells],
+            width,
+            label=f"digit {d + 1}",
+        )
     ax.set_xticks(x, labels, fontsize=8)
     ax.set_ylabel("samples wrong at this digit (teacher forced)")
     ax.legend(fontsize=8)

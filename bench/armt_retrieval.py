@@ -67,15 +67,24 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="lengths 512..4K, 8 samples each")
     p.add_argument("--armt-ckpt", default=str(ARMT_MODEL))
     p.add_argument("--base", default=str(BASE_MODEL))
-    p.add_argument("--num-facts", default="1,2,4", help="comma-separated fact counts for ARMT (default 1,2,4)")
+    p.add_argument(
+        "--num-facts", default="1,2,4", help="comma-separated fact counts for ARMT (default 1,2,4)"
+    )
     p.add_argument("--goal-only", action="store_true", help="score only the goal length (see above)")
     p.add_argument("--goal-samples", type=int, default=128, help="samples per fact count with --goal-only")
-    p.add_argument("--split-lengths", default=None,
-                   help="comma-separated lengths: score only one fact split by a boundary (see above)")
+    p.add_argument(
+        "--split-lengths",
+        default=None,
+        help="comma-separated lengths: score only one fact split by a boundary (see above)",
+    )
     p.add_argument("--split-samples", type=int, default=128, help="samples per length with --split-lengths")
-    p.add_argument("--segmentation", choices=SEGMENTATIONS, default=None,
-                   help="with --goal-only: how ARMT cuts the prompts into segments (default: as the checkpoint "
-                        "was saved)")
+    p.add_argument(
+        "--segmentation",
+        choices=SEGMENTATIONS,
+        default=None,
+        help="with --goal-only: how ARMT cuts the prompts into segments (default: as the checkpoint "
+        "was saved)",
+    )
     args = p.parse_args()
     use_quick_results(args.quick)
     counts = sorted({int(n) for n in args.num_facts.split(",")})
@@ -95,7 +104,16 @@ def main() -> None:
         full = [(512, 64), (1024, 32), (2048, 16), (4096, 8), (8192, 4)]
         # 64 samples at 32K and 64K (4x the longest training length) keep the 95% interval within about
         # +-8 points near 90% exact match
-        armt_plan = [(512, 64), (1024, 64), (2048, 64), (4096, 64), (8192, 128), (16384, 32), (32768, 64), (65536, 64)]
+        armt_plan = [
+            (512, 64),
+            (1024, 64),
+            (2048, 64),
+            (4096, 64),
+            (8192, 128),
+            (16384, 32),
+            (32768, 64),
+            (65536, 64),
+        ]
         near_miss_plan = [(1024, 64), (4096, 64), (16384, 32), (65536, 16)]
 
     armt_diagonal = diagonal_decoding_logits(armt)
@@ -110,27 +128,54 @@ def main() -> None:
         runs[f"armt_{most}_facts_near_miss"] = (armt_diagonal, segment, most, True, val, near_miss_plan)
     unseen = unseen_filler_split(Path(args.armt_ckpt))
     if unseen is not None:
-        runs[f"armt_{counts[0]}_facts_unseen_filler"] = (armt_diagonal, segment, counts[0], False, unseen, armt_plan)
-    runs.update({"full_attention": (full_attention(base), None, most, False, val, full),
-                 "full_attention_finetuned": (full_attention(armt.base), None, most, False, val, full)})
+        runs[f"armt_{counts[0]}_facts_unseen_filler"] = (
+            armt_diagonal,
+            segment,
+            counts[0],
+            False,
+            unseen,
+            armt_plan,
+        )
+    runs.update(
+        {
+            "full_attention": (full_attention(base), None, most, False, val, full),
+            "full_attention_finetuned": (full_attention(armt.base), None, most, False, val, full),
+        }
+    )
     rows: dict[str, list[dict]] = {name: [] for name in runs}
     for name, (model, segment_size, facts, near_miss, filler, sizes) in runs.items():
         for length, samples in sizes:
             t0 = time.perf_counter()
-            r = retrieval_accuracy(model, length, samples, num_facts=facts, segment_size=segment_size,
-                                   segment_starts=armt.segment_starts if segment_size else None,
-                                   shared_word=near_miss, filler_split=filler)
+            r = retrieval_accuracy(
+                model,
+                length,
+                samples,
+                num_facts=facts,
+                segment_size=segment_size,
+                segment_starts=armt.segment_starts if segment_size else None,
+                shared_word=near_miss,
+                filler_split=filler,
+            )
             r["wall_s"] = time.perf_counter() - t0
             rows[name].append(r)
             print(name, r, flush=True)
-    chance = {"exact_match": DIGIT_CHANCE ** CODE_DIGITS, "digit_accuracy": DIGIT_CHANCE}
+    chance = {"exact_match": DIGIT_CHANCE**CODE_DIGITS, "digit_accuracy": DIGIT_CHANCE}
     goal = goal_check(rows, longest_training_tokens(Path(args.armt_ckpt)))
-    write_result("armt_retrieval", {"armt_ckpt": repo_path(args.armt_ckpt), "base": repo_path(args.base),
-                                    "segmentation": armt.segmentation,
-                                    "num_facts": {name: run[2] for name, run in runs.items()},
-                                    "filler_split": {name: run[4] for name, run in runs.items()},
-                                    "quick": args.quick, "chance": chance, "results": rows, "goal": goal,
-                                    "plot": "armt_retrieval.png"})
+    write_result(
+        "armt_retrieval",
+        {
+            "armt_ckpt": repo_path(args.armt_ckpt),
+            "base": repo_path(args.base),
+            "segmentation": armt.segmentation,
+            "num_facts": {name: run[2] for name, run in runs.items()},
+            "filler_split": {name: run[4] for name, run in runs.items()},
+            "quick": args.quick,
+            "chance": chance,
+            "results": rows,
+            "goal": goal,
+            "plot": "armt_retrieval.png",
+        },
+    )
     _plot(rows, chance, f"armt_{most}_facts", goal, armt.segmentation)
 
 
@@ -152,22 +197,43 @@ def goal_only(ckpt: Path, counts: list[int], samples: int, segmentation: str | N
     rows = {}
     for facts in counts:
         t0 = time.perf_counter()
-        r = retrieval_accuracy(diagonal_decoding_logits(armt), GOAL_FACTOR * longest, samples, num_facts=facts,
-                               segment_size=armt.armt.segment_size, segment_starts=armt.segment_starts,
-                               progress=True)
+        r = retrieval_accuracy(
+            diagonal_decoding_logits(armt),
+            GOAL_FACTOR * longest,
+            samples,
+            num_facts=facts,
+            segment_size=armt.armt.segment_size,
+            segment_starts=armt.segment_starts,
+            progress=True,
+        )
         rows[f"armt_{facts}_facts"] = [{**r, "wall_s": time.perf_counter() - t0}]
         print(f"armt_{facts}_facts", r, flush=True)
     name = "armt_retrieval_goal" + ("" if segmentation == saved else f"_{segmentation}")
-    write_result(name, {"armt_ckpt": repo_path(ckpt), "filler_split": FILLER_SPLIT, "segmentation": segmentation,
-                        "results": rows, "goal": goal_check(rows, longest)})
+    write_result(
+        name,
+        {
+            "armt_ckpt": repo_path(ckpt),
+            "filler_split": FILLER_SPLIT,
+            "segmentation": segmentation,
+            "results": rows,
+            "goal": goal_check(rows, longest),
+        },
+    )
 
 
 # row, asked fact split on the grid, segmentation, label, plot style (hollow squares: the sentence rows can coincide)
-SPLIT_ROWS = (("one_fact", False, "fixed", "as drawn", {}),
-              ("split_fact", True, "fixed", "boundary inside the asked fact", {}),
-              ("one_fact_sentences", False, "sentences", "as drawn, sentence segments",
-               {"fmt": "s--", "markersize": 11, "markerfacecolor": "none"}),
-              ("split_fact_sentences", True, "sentences", "shifted as above, sentence segments", {"fmt": "^:"}))
+SPLIT_ROWS = (
+    ("one_fact", False, "fixed", "as drawn", {}),
+    ("split_fact", True, "fixed", "boundary inside the asked fact", {}),
+    (
+        "one_fact_sentences",
+        False,
+        "sentences",
+        "as drawn, sentence segments",
+        {"fmt": "s--", "markersize": 11, "markerfacecolor": "none"},
+    ),
+    ("split_fact_sentences", True, "sentences", "shifted as above, sentence segments", {"fmt": "^:"}),
+)
 SEGMENTATION_LABELS = {"fixed": "fixed grid", "sentences": "sentence segments"}
 
 
@@ -180,15 +246,41 @@ def split_facts(ckpt: Path, lengths: list[int], samples: int) -> None:
         for name, split, segmentation, *_ in SPLIT_ROWS:
             armt.segmentation = segmentation
             t0 = time.perf_counter()
-            r = retrieval_accuracy(diagonal_decoding_logits(armt), length, samples, num_facts=1,
-                                   segment_size=armt.armt.segment_size, segment_starts=armt.segment_starts,
-                                   split_facts=split, progress=True)
+            r = retrieval_accuracy(
+                diagonal_decoding_logits(armt),
+                length,
+                samples,
+                num_facts=1,
+                segment_size=armt.armt.segment_size,
+                segment_starts=armt.segment_starts,
+                split_facts=split,
+                progress=True,
+            )
             rows[name].append({**r, "segmentation": segmentation, "wall_s": time.perf_counter() - t0})
-            print(name, length, {k: r[k] for k in ("exact_match", "code_split_samples", "code_split_exact_match",
-                                                   "wrong_digit_rate")}, flush=True)
-    write_result("armt_split_facts", {"armt_ckpt": repo_path(ckpt), "filler_split": FILLER_SPLIT,
-                                      "segment_size": armt.armt.segment_size, "results": rows,
-                                      "plot": "armt_split_facts.png"})
+            print(
+                name,
+                length,
+                {
+                    k: r[k]
+                    for k in (
+                        "exact_match",
+                        "code_split_samples",
+                        "code_split_exact_match",
+                        "wrong_digit_rate",
+                    )
+                },
+                flush=True,
+            )
+    write_result(
+        "armt_split_facts",
+        {
+            "armt_ckpt": repo_path(ckpt),
+            "filler_split": FILLER_SPLIT,
+            "segment_size": armt.armt.segment_size,
+            "results": rows,
+            "plot": "armt_split_facts.png",
+        },
+    )
     fig, axes = subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
     for name, _, _, label, style in SPLIT_ROWS:
@@ -198,15 +290,21 @@ def split_facts(ckpt: Path, lengths: list[int], samples: int) -> None:
     ax = axes[1]  # which digit goes wrong on the shifted samples
     for name, style in (("split_fact", "o-"), ("split_fact_sentences", "s--")):
         for r in rows[name]:
-            ax.plot(range(1, CODE_DIGITS + 1), r["wrong_digit_rate"], style,
-                    label=f"{r['length']:,} tokens, {SEGMENTATION_LABELS[r['segmentation']]}")
+            ax.plot(
+                range(1, CODE_DIGITS + 1),
+                r["wrong_digit_rate"],
+                style,
+                label=f"{r['length']:,} tokens, {SEGMENTATION_LABELS[r['segmentation']]}",
+            )
     ax.set_xticks(range(1, CODE_DIGITS + 1))
     ax.set_xlabel("answer digit (teacher-forced)")
     ax.set_ylabel("share of shifted samples wrong at the digit")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle("ARMT, one fact: a segment boundary between subject and code, and segments cut after sentences")
+    fig.suptitle(
+        "ARMT, one fact: a segment boundary between subject and code, and segments cut after sentences"
+    )
     save_plot(fig, plot_path("armt_split_facts"), dpi=110)
 
 
@@ -243,15 +341,24 @@ def goal_check(rows: dict[str, list[dict]], longest: int | None) -> dict | None:
     if longest is None:
         return None
     length = GOAL_FACTOR * longest
-    out = {"longest_training_tokens": longest, "length": length, "exact_match_goal": GOAL_EXACT_MATCH, "rows": {}}
+    out = {
+        "longest_training_tokens": longest,
+        "length": length,
+        "exact_match_goal": GOAL_EXACT_MATCH,
+        "rows": {},
+    }
     for name, rs in rows.items():
         cell = next((r for r in rs if r["length"] == length), None)
         if name.startswith("armt") and cell is not None:
             low, high = cell["exact_match_ci95"]
-            out["rows"][name] = {"samples": cell["samples"], "exact_match": cell["exact_match"],
-                                 "exact_match_ci95": [low, high], "met": cell["exact_match"] >= GOAL_EXACT_MATCH,
-                                 "met_with_confidence": low >= GOAL_EXACT_MATCH,
-                                 "missed_with_confidence": high < GOAL_EXACT_MATCH}
+            out["rows"][name] = {
+                "samples": cell["samples"],
+                "exact_match": cell["exact_match"],
+                "exact_match_ci95": [low, high],
+                "met": cell["exact_match"] >= GOAL_EXACT_MATCH,
+                "met_with_confidence": low >= GOAL_EXACT_MATCH,
+                "missed_with_confidence": high < GOAL_EXACT_MATCH,
+            }
     return out if out["rows"] else None
 
 
@@ -260,7 +367,9 @@ def _exact_match_errorbar(ax, rows: list[dict], label: str, **style) -> None:
     matplotlib errorbar options, default fmt "o-")."""
     y = np.array([r["exact_match"] for r in rows])
     ci = np.array([r["exact_match_ci95"] for r in rows]).T
-    ax.errorbar([r["length"] for r in rows], y, yerr=np.abs(ci - y), capsize=3, label=label, **{"fmt": "o-", **style})
+    ax.errorbar(
+        [r["length"] for r in rows], y, yerr=np.abs(ci - y), capsize=3, label=label, **{"fmt": "o-", **style}
+    )
 
 
 def _length_axis(ax, ylabel: str) -> None:
@@ -272,8 +381,13 @@ def _length_axis(ax, ylabel: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def _plot(rows: dict[str, list[dict]], chance: dict[str, float], depth_row: str, goal: dict | None,
-          segmentation: str) -> None:
+def _plot(
+    rows: dict[str, list[dict]],
+    chance: dict[str, float],
+    depth_row: str,
+    goal: dict | None,
+    segmentation: str,
+) -> None:
     fig, axes = subplots(1, 3, figsize=(16, 4))
     for ax, metric in zip(axes, ("exact_match", "digit_accuracy")):
         for name, rs in rows.items():
@@ -283,22 +397,32 @@ def _plot(rows: dict[str, list[dict]], chance: dict[str, float], depth_row: str,
                 ax.plot([r["length"] for r in rs], [r[metric] for r in rs], "o-", label=name)
         ax.axhline(chance[metric], color="gray", ls="--", label=f"chance ({chance[metric]:g})")
         if goal is not None and metric == "exact_match":
-            ax.plot([goal["length"]], [goal["exact_match_goal"]], "k*", ms=12,
-                    label=f"goal: {goal['exact_match_goal']:.0%} at {goal['length']:,} tokens")
+            ax.plot(
+                [goal["length"]],
+                [goal["exact_match_goal"]],
+                "k*",
+                ms=12,
+                label=f"goal: {goal['exact_match_goal']:.0%} at {goal['length']:,} tokens",
+            )
         _length_axis(ax, metric + (" (bars: 95% interval)" if metric == "exact_match" else ""))
     axes[0].legend(fontsize=8)
     ax = axes[2]  # where ARMT loses the fact: exact match by the asked fact's depth in the prompt
     for r in rows[depth_row]:
         mids = [sum(d["depth"]) / 2 for d in r["by_depth"]]
-        ax.plot(mids, [np.nan if d["exact_match"] is None else d["exact_match"] for d in r["by_depth"]], "o-",
-                label=f"{r['length']:,} tokens")
+        ax.plot(
+            mids,
+            [np.nan if d["exact_match"] is None else d["exact_match"] for d in r["by_depth"]],
+            "o-",
+            label=f"{r['length']:,} tokens",
+        )
     ax.set_xlabel("depth of the fact in the prompt (0 = start, 1 = next to the question)")
     ax.set_ylabel(f"{depth_row} exact_match")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(f"haystack retrieval: ARMT (diagonal schedule, {SEGMENTATION_LABELS[segmentation]}) "
-                 "vs full attention")
+    fig.suptitle(
+        f"haystack retrieval: ARMT (diagonal schedule, {SEGMENTATION_LABELS[segmentation]}) vs full attention"
+    )
     save_plot(fig, plot_path("armt_retrieval"), dpi=110)
 
 

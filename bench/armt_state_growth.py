@@ -30,7 +30,7 @@ def state_norms(armt, ids: np.ndarray) -> dict[str, np.ndarray]:
     segs = armt.segments(ids, np.array([ids.shape[1]]))[0]
     state, a_norms, z_norms = None, [], []
     for i in tqdm(range(segs.count), desc="segments", unit="seg"):
-        state, _ = armt.run_segments(armt.params, segs[i:i + 1], "sequential", state)
+        state, _ = armt.run_segments(armt.params, segs[i : i + 1], "sequential", state)
         a_norms.append(np.linalg.norm(np.asarray(state.A)[:, 0], axis=(1, 2)))
         z_norms.append(np.linalg.norm(np.asarray(state.z)[:, 0], axis=1))
     return {"A": np.stack(a_norms), "z": np.stack(z_norms), "ends": np.cumsum(segs.n[:, 0])}
@@ -49,11 +49,21 @@ def main() -> None:
     t0 = time.perf_counter()
     norms = state_norms(armt, sample.ids[None].astype(np.int32))
     ends = norms["ends"].tolist()
-    write_result("armt_state_growth", {
-        "armt_ckpt": repo_path(args.armt_ckpt), "tokens": tokens, "segment_size": armt.armt.segment_size,
-        "segmentation": armt.segmentation, "quick": args.quick,
-        "segment_end_tokens": ends, "A_norm_per_layer": norms["A"].tolist(), "z_norm_per_layer": norms["z"].tolist(),
-        "wall_s": time.perf_counter() - t0, "plot": "armt_state_growth.png"})
+    write_result(
+        "armt_state_growth",
+        {
+            "armt_ckpt": repo_path(args.armt_ckpt),
+            "tokens": tokens,
+            "segment_size": armt.armt.segment_size,
+            "segmentation": armt.segmentation,
+            "quick": args.quick,
+            "segment_end_tokens": ends,
+            "A_norm_per_layer": norms["A"].tolist(),
+            "z_norm_per_layer": norms["z"].tolist(),
+            "wall_s": time.perf_counter() - t0,
+            "plot": "armt_state_growth.png",
+        },
+    )
     fig, axes = subplots(1, 2, figsize=(11, 4))
     for ax, name in zip(axes, ("A", "z")):
         for layer in range(norms[name].shape[1]):

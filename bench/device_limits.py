@@ -29,8 +29,13 @@ def read_bandwidth(num_bytes: int, repeats: int) -> dict[str, Any]:
     x = jnp.ones((num_bytes // 2 // 4096, 4096), jnp.bfloat16)  # 2-D: element counts past 2^31 stay indexable
     read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
     t = interleaved_times({"read": lambda: read(x)}, repeats=repeats)["read"]
-    return {"bytes": num_bytes, "median_s": t["median_s"], "min_s": t["min_s"],
-            "bytes_per_s": num_bytes / t["median_s"], "best_bytes_per_s": num_bytes / t["min_s"]}
+    return {
+        "bytes": num_bytes,
+        "median_s": t["median_s"],
+        "min_s": t["min_s"],
+        "bytes_per_s": num_bytes / t["median_s"],
+        "best_bytes_per_s": num_bytes / t["min_s"],
+    }
 
 
 def matmul_flops(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
@@ -42,8 +47,15 @@ def matmul_flops(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
         mm = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
         t = interleaved_times({"matmul": lambda: mm(a, b)}, repeats=repeats)["matmul"]
         flops = 2 * n**3
-        rows.append({"n": n, "median_s": t["median_s"], "min_s": t["min_s"], "flops_per_s": flops / t["median_s"],
-                     "best_flops_per_s": flops / t["min_s"]})
+        rows.append(
+            {
+                "n": n,
+                "median_s": t["median_s"],
+                "min_s": t["min_s"],
+                "flops_per_s": flops / t["median_s"],
+                "best_flops_per_s": flops / t["min_s"],
+            }
+        )
     return rows
 
 
@@ -52,9 +64,13 @@ def measure(dry_run: bool) -> dict[str, Any]:
     read_bytes, sizes, repeats = (64 * 2**20, (512,), 3) if dry_run else (4 * GIB, (8192, 16384), 10)
     bandwidth = read_bandwidth(read_bytes, repeats)
     matmuls = matmul_flops(sizes, repeats)
-    return {"dry_run": dry_run, "read_bandwidth": bandwidth, "matmul_bf16": matmuls,
-            "read_bytes_per_s": bandwidth["bytes_per_s"],
-            "bf16_matmul_flops_per_s": max(r["flops_per_s"] for r in matmuls)}
+    return {
+        "dry_run": dry_run,
+        "read_bandwidth": bandwidth,
+        "matmul_bf16": matmuls,
+        "read_bytes_per_s": bandwidth["bytes_per_s"],
+        "bf16_matmul_flops_per_s": max(r["flops_per_s"] for r in matmuls),
+    }
 
 
 def main() -> None:
@@ -63,8 +79,11 @@ def main() -> None:
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes (checks the script on CPU)")
     args = parser.parse_args()
     payload = measure(args.cpu_dry_run)
-    print(f"read {payload['read_bytes_per_s'] / 1e9:.1f} GB/s, bf16 matmul "
-          f"{payload['bf16_matmul_flops_per_s'] / 1e12:.1f} TFLOP/s", flush=True)
+    print(
+        f"read {payload['read_bytes_per_s'] / 1e9:.1f} GB/s, bf16 matmul "
+        f"{payload['bf16_matmul_flops_per_s'] / 1e12:.1f} TFLOP/s",
+        flush=True,
+    )
     write_result("device_limits", payload)
 
 

@@ -57,8 +57,13 @@ class Step:
 
 def gpu_test_files() -> tuple[str, ...]:
     """Test files holding `@pytest.mark.gpu` tests (collecting only these keeps the step short)."""
-    return tuple(sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "tests").glob("test_*.py")
-                        if "pytest.mark.gpu" in p.read_text()))
+    return tuple(
+        sorted(
+            str(p.relative_to(REPO_ROOT))
+            for p in (REPO_ROOT / "tests").glob("test_*.py")
+            if "pytest.mark.gpu" in p.read_text()
+        )
+    )
 
 
 def steps() -> list[Step]:
@@ -68,10 +73,18 @@ def steps() -> list[Step]:
         Step("limits", ("bench.device_limits",), ("bench.device_limits", "--cpu-dry-run"), 30),
         Step("pytest", pytest, pytest, 60),
         Step("kernels", ("bench.gpu_kernels", "--quick"), ("bench.gpu_kernels", "--dry-run-cpu"), 100),
-        Step("armt_schedule", ("bench.armt_schedule", "--sweep", "device"),
-             ("bench.armt_schedule", "--sweep", "device_dry_run"), 150),
-        Step("pq_decode", ("bench.pq_decode", "--contexts", "32768"),
-             ("bench.pq_decode", "--contexts", "256", "--steps", "2", "--repeats", "1", "--ds", "4"), 75),
+        Step(
+            "armt_schedule",
+            ("bench.armt_schedule", "--sweep", "device"),
+            ("bench.armt_schedule", "--sweep", "device_dry_run"),
+            150,
+        ),
+        Step(
+            "pq_decode",
+            ("bench.pq_decode", "--contexts", "32768"),
+            ("bench.pq_decode", "--contexts", "256", "--steps", "2", "--repeats", "1", "--ds", "4"),
+            75,
+        ),
         # the real SmolLM2 has no toy size (its CPU runs are bench.real_model's own, minutes long)
         Step("real_model", ("bench.real_model", "--quick"), None, 40, needs="bench/real_model.py"),
     ]
@@ -79,7 +92,10 @@ def steps() -> list[Step]:
 
 # ---------------------------------------------------------------- running one step
 
-def run_step(step: Step, out: Path, *, dry_run: bool, timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
+
+def run_step(
+    step: Step, out: Path, *, dry_run: bool, timeout_s: float, env: dict[str, str]
+) -> dict[str, Any]:
     """Run `step` in its own process group with a time limit; returns its record (results included)."""
     work = out / "work" / step.name
     work.mkdir(parents=True)
@@ -88,11 +104,21 @@ def run_step(step: Step, out: Path, *, dry_run: bool, timeout_s: float, env: dic
         args = (*args, f"--junitxml={work / 'junit.xml'}")
     command = [sys.executable, "-m", *args]
     log_path = out / "logs" / f"{step.name}.log"
-    record: dict[str, Any] = {"step": step.name, "command": " ".join(command[1:]), "timeout_s": round(timeout_s)}
+    record: dict[str, Any] = {
+        "step": step.name,
+        "command": " ".join(command[1:]),
+        "timeout_s": round(timeout_s),
+    }
     t0, cpu0 = time.perf_counter(), _children_cpu_s()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**env, "JAXLONGCTX_BENCH_RESULTS": str(work)})
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**env, "JAXLONGCTX_BENCH_RESULTS": str(work)},
+        )
         try:
             record["returncode"] = proc.wait(timeout=timeout_s)
             record["status"] = "ok" if record["returncode"] == 0 else "failed"
@@ -108,7 +134,9 @@ def run_step(step: Step, out: Path, *, dry_run: bool, timeout_s: float, env: dic
         record["results"]["pytest"] = junit_summary(work / "junit.xml")
     pngs = sorted(work.glob("*.png"))
     for png in pngs:
-        shutil.copy(png, out / (f"gpu_{step.name}.png" if len(pngs) == 1 else f"gpu_{step.name}_{png.stem}.png"))
+        shutil.copy(
+            png, out / (f"gpu_{step.name}.png" if len(pngs) == 1 else f"gpu_{step.name}_{png.stem}.png")
+        )
     shutil.rmtree(work)
     work.parent.rmdir()
     return record
@@ -128,8 +156,14 @@ def junit_summary(path: Path) -> dict[str, Any]:
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome, message = child.tag, (child.get("message") or "")[:300]
-        cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                      "seconds": float(case.get("time") or 0), "message": message})
+        cases.append(
+            {
+                "test": f"{case.get('classname')}::{case.get('name')}",
+                "outcome": outcome,
+                "seconds": float(case.get("time") or 0),
+                "message": message,
+            }
+        )
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
     return {"counts": counts, "tests": cases}
 
@@ -141,20 +175,28 @@ def skipped(step: Step, reason: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- environment
 
+
 def nvidia_smi() -> dict[str, Any] | None:
     """GPU name, memory, driver and CUDA versions from nvidia-smi (None where it is absent)."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
-        query = subprocess.run([exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        query = subprocess.run(
+            [exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
         header = subprocess.run([exe], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return {"error": str(e)}
     cuda = header.split("CUDA Version:")[1].split()[0] if "CUDA Version:" in header else None
-    gpus = [dict(zip(("name", "memory_total", "driver_version"), (x.strip() for x in line.split(","))))
-            for line in query.splitlines()]
+    gpus = [
+        dict(zip(("name", "memory_total", "driver_version"), (x.strip() for x in line.split(","))))
+        for line in query.splitlines()
+    ]
     return {"gpus": gpus, "cuda_version": cuda}
 
 
@@ -172,7 +214,10 @@ def package_versions() -> dict[str, str | None]:
 
 # ---------------------------------------------------------------- the run
 
-def run(out: Path, plan: list[Step], *, dry_run: bool, budget_s: float, env: dict[str, str]) -> dict[str, Any]:
+
+def run(
+    out: Path, plan: list[Step], *, dry_run: bool, budget_s: float, env: dict[str, str]
+) -> dict[str, Any]:
     """Run the steps of `plan` in order (environment `env`) into `out`, an empty folder, writing
     gpu_<step>.json after each; returns the summary."""
     from bench.device_summary import summarize
@@ -198,9 +243,14 @@ def run(out: Path, plan: list[Step], *, dry_run: bool, budget_s: float, env: dic
         print(f"[device_run] {step.name}: {record['status']} ({record.get('seconds', 0)} s)", flush=True)
         records[step.name] = record
         write_json(out / f"gpu_{step.name}.json", record)
-    environment = {"cpu_dry_run": dry_run, "python": platform.python_version(), "platform": platform.platform(),
-                   "packages": package_versions(), "nvidia_smi": nvidia_smi(),
-                   "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    environment = {
+        "cpu_dry_run": dry_run,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": package_versions(),
+        "nvidia_smi": nvidia_smi(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     summary = summarize(records, environment)
     write_json(out / "gpu_summary.json", summary)
     return summary
@@ -216,11 +266,17 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; exit code 0 when every step that ran passed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="output folder (new, or ours with --overwrite)")
+    parser.add_argument(
+        "--out", required=True, type=Path, help="output folder (new, or ours with --overwrite)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier device run's folder")
     parser.add_argument("--cpu-dry-run", action="store_true", help="the same steps at toy sizes on CPU")
-    parser.add_argument("--budget-s", type=float, default=GPU_BUDGET_S,
-                        help=f"time for the whole GPU run (default {GPU_BUDGET_S}); steps past it are skipped")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=GPU_BUDGET_S,
+        help=f"time for the whole GPU run (default {GPU_BUDGET_S}); steps past it are skipped",
+    )
     parser.add_argument("--only", default="", help="comma-separated step names to run (default: all)")
     args = parser.parse_args(argv)
     names = [s.name for s in steps()]
@@ -228,23 +284,36 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(set(only) - set(names)):
         parser.error(f"--only: unknown steps {', '.join(unknown)} (steps: {', '.join(names)})")
     if not any(Path(entry or ".").resolve() == REPO_ROOT for entry in sys.path):
-        print("error: the repository is not on the import path; from its root run "
-              "`PYTHONPATH=. python3 bench/device_run.py ...` or `python3 -m bench.device_run ...`", file=sys.stderr)
+        print(
+            "error: the repository is not on the import path; from its root run "
+            "`PYTHONPATH=. python3 bench/device_run.py ...` or `python3 -m bench.device_run ...`",
+            file=sys.stderr,
+        )
         return 2
     step_env = dict(os.environ)
     os.environ["JAX_PLATFORMS"] = "cpu"  # before anything imports jax: the accelerator is the steps' alone
     from jaxlongctx.output_dir import OutputError, atomic_directory
 
     try:
-        with atomic_directory(args.out, overwrite=args.overwrite, kind="device-run", inputs=(REPO_ROOT,)) as tmp:
+        with atomic_directory(
+            args.out, overwrite=args.overwrite, kind="device-run", inputs=(REPO_ROOT,)
+        ) as tmp:
             print(f"[device_run] writing into {tmp} (renamed to {args.out} at the end)", flush=True)
-            summary = run(tmp, [s for s in steps() if not only or s.name in only], dry_run=args.cpu_dry_run,
-                          budget_s=args.budget_s, env=step_env)
+            summary = run(
+                tmp,
+                [s for s in steps() if not only or s.name in only],
+                dry_run=args.cpu_dry_run,
+                budget_s=args.budget_s,
+                env=step_env,
+            )
     except OutputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     bad = [name for name, s in summary["steps"].items() if s["status"] in ("failed", "timeout")]
-    print(f"[device_run] wrote {args.out}: " + ", ".join(f"{k} {v['status']}" for k, v in summary["steps"].items()))
+    print(
+        f"[device_run] wrote {args.out}: "
+        + ", ".join(f"{k} {v['status']}" for k, v in summary["steps"].items())
+    )
     return 1 if bad else 0
 
 

@@ -10,12 +10,20 @@ Goals on an H200 (issue 39): ARMT diagonal >= 2x sequential at 128K tokens (1B s
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 GOAL_DIAGONAL_SPEEDUP = 2.0
 GOAL_PQ_ATTENTION_SPEEDUP = 2.0
 GOAL_GEMM_SLOWDOWN = 1.10  # grouped GEMM time at most this times ragged_dot's
-STEP_FIELDS = ("status", "seconds", "cpu_s", "timeout_s", "returncode", "reason")  # of each step in the summary
+STEP_FIELDS = (
+    "status",
+    "seconds",
+    "cpu_s",
+    "timeout_s",
+    "returncode",
+    "reason",
+)  # of each step in the summary
 
 
 def only_result(record: dict[str, Any] | None) -> dict[str, Any]:
@@ -44,25 +52,41 @@ def kernel_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[str, 
     gemm = []
     for row in payload.get("grouped_matmul", []):  # absent when the step ran out of time
         tflops = row["active_tflops"]
-        gemm.append({"projection": row["projection"], "num_active": row["num_active"],
-                     "einsum_over_pallas": row["time_over_pallas"]["einsum"],
-                     "ragged_dot_over_pallas": row["time_over_pallas"]["ragged_dot"],
-                     "fwd_bwd_einsum_over_pallas": row["fwd_bwd_einsum_over_pallas"],
-                     **({f"{m}_fraction_of_matmul_peak": tflops[m] * 1e12 / flops_peak for m in tflops}
-                        if flops_peak else {})})
+        gemm.append(
+            {
+                "projection": row["projection"],
+                "num_active": row["num_active"],
+                "einsum_over_pallas": row["time_over_pallas"]["einsum"],
+                "ragged_dot_over_pallas": row["time_over_pallas"]["ragged_dot"],
+                "fwd_bwd_einsum_over_pallas": row["fwd_bwd_einsum_over_pallas"],
+                **(
+                    {f"{m}_fraction_of_matmul_peak": tflops[m] * 1e12 / flops_peak for m in tflops}
+                    if flops_peak
+                    else {}
+                ),
+            }
+        )
     attention = []
     for row in payload.get("pq_decode_attention", []):
         times = {m: t["median_s"] for m, t in row["times"].items()}
-        entry = {"context": row["context"],
-                 **{f"{m}_speedup_over_bf16": v for m, v in row["exact_bf16_over_pq"].items()}}
+        entry = {
+            "context": row["context"],
+            **{f"{m}_speedup_over_bf16": v for m, v in row["exact_bf16_over_pq"].items()},
+        }
         if bandwidth:
             entry["exact_bf16_fraction_of_bandwidth"] = row["exact_bytes"] / times["exact_bf16"] / bandwidth
             for ds, code_bytes in row["pq_code_bytes"].items():
-                entry[f"pq_pallas_{ds}_fraction_of_bandwidth"] = code_bytes / times[f"pq_pallas_{ds}"] / bandwidth
+                entry[f"pq_pallas_{ds}_fraction_of_bandwidth"] = (
+                    code_bytes / times[f"pq_pallas_{ds}"] / bandwidth
+                )
         attention.append(entry)
     checks = payload["correctness"]
-    return {"complete": payload.get("complete", False), "grouped_matmul": gemm, "pq_decode_attention": attention,
-            "correctness_ok": f"{sum(c['ok'] for c in checks)}/{len(checks)}"}
+    return {
+        "complete": payload.get("complete", False),
+        "grouped_matmul": gemm,
+        "pq_decode_attention": attention,
+        "correctness_ok": f"{sum(c['ok'] for c in checks)}/{len(checks)}",
+    }
 
 
 def armt_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
@@ -91,8 +115,9 @@ def armt_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[str, An
     return {"complete": payload.get("complete", False), "rows": rows}
 
 
-def decode_bytes(model: dict[str, Any], context: int, dtype_bytes: int, *, sub_dim: int | None = None,
-                 window: int = 0) -> int:
+def decode_bytes(
+    model: dict[str, Any], context: int, dtype_bytes: int, *, sub_dim: int | None = None, window: int = 0
+) -> int:
     """Bytes one decode step reads: every layer's weights, the head, and the cache (dense, or PQ
     codes `[L K T M]` uint8 plus the exact window when `sub_dim` is given)."""
     L, K, hd = model["num_layers"], model["num_kv_heads"], model["head_dim"]
@@ -111,8 +136,9 @@ def pq_decode_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[st
     for row in payload["timing"]:
         entry = {"context": row["context"], **{k: v for k, v in row.items() if k.startswith("dense_over_pq")}}
         if bandwidth:
-            entry["dense_fraction_of_bandwidth"] = (decode_bytes(model, row["context"], dtype_bytes)
-                                                    / row["dense_s_per_token"] / bandwidth)
+            entry["dense_fraction_of_bandwidth"] = (
+                decode_bytes(model, row["context"], dtype_bytes) / row["dense_s_per_token"] / bandwidth
+            )
             for key in row:
                 if key.startswith("pq_ds") and key.endswith("_s_per_token") and "amortized" not in key:
                     ds = int(key.removeprefix("pq_ds").split("_")[0])
@@ -129,20 +155,33 @@ def goals(ratios: dict[str, Any]) -> dict[str, Any]:
     if armt:
         last = max(armt, key=lambda r: r["length"])
         best = max((v for k, v in last.items() if k.endswith("_speedup_over_sequential")), default=None)
-        out["diagonal_over_sequential"] = {"at": last["length"], "goal": GOAL_DIAGONAL_SPEEDUP, "value": best,
-                                           "met": best is not None and best >= GOAL_DIAGONAL_SPEEDUP}
+        out["diagonal_over_sequential"] = {
+            "at": last["length"],
+            "goal": GOAL_DIAGONAL_SPEEDUP,
+            "value": best,
+            "met": best is not None and best >= GOAL_DIAGONAL_SPEEDUP,
+        }
     attention = ratios.get("kernels", {}).get("pq_decode_attention", [])
     if attention:
         last = max(attention, key=lambda r: r["context"])
-        best = max((v for k, v in last.items() if k.startswith("pq_pallas") and k.endswith("_speedup_over_bf16")),
-                   default=None)
-        out["pq_attention_over_bf16"] = {"at": last["context"], "goal": GOAL_PQ_ATTENTION_SPEEDUP, "value": best,
-                                         "met": best is not None and best >= GOAL_PQ_ATTENTION_SPEEDUP}
+        best = max(
+            (v for k, v in last.items() if k.startswith("pq_pallas") and k.endswith("_speedup_over_bf16")),
+            default=None,
+        )
+        out["pq_attention_over_bf16"] = {
+            "at": last["context"],
+            "goal": GOAL_PQ_ATTENTION_SPEEDUP,
+            "value": best,
+            "met": best is not None and best >= GOAL_PQ_ATTENTION_SPEEDUP,
+        }
     gemm = ratios.get("kernels", {}).get("grouped_matmul", [])
     if gemm:
         worst = min(r["ragged_dot_over_pallas"] for r in gemm)
-        out["grouped_gemm_vs_ragged_dot"] = {"worst_ragged_dot_over_pallas": worst, "goal": 1 / GOAL_GEMM_SLOWDOWN,
-                                             "met": worst >= 1 / GOAL_GEMM_SLOWDOWN}
+        out["grouped_gemm_vs_ragged_dot"] = {
+            "worst_ragged_dot_over_pallas": worst,
+            "goal": 1 / GOAL_GEMM_SLOWDOWN,
+            "met": worst >= 1 / GOAL_GEMM_SLOWDOWN,
+        }
     return out
 
 
@@ -158,16 +197,24 @@ def summarize(records: dict[str, dict[str, Any]], environment: dict[str, Any]) -
     """The summary JSON: step statuses, device and versions, ceilings, ratios and goals."""
     limits = guarded(lambda: only_result(records.get("limits")))
     ceil = guarded(ceilings, limits)
-    ratios = {"kernels": guarded(lambda: kernel_ratios(only_result(records.get("kernels")), ceil)),
-              "armt_schedule": guarded(lambda: armt_ratios(only_result(records.get("armt_schedule")), ceil)),
-              "pq_decode": guarded(lambda: pq_decode_ratios(only_result(records.get("pq_decode")), ceil))}
+    ratios = {
+        "kernels": guarded(lambda: kernel_ratios(only_result(records.get("kernels")), ceil)),
+        "armt_schedule": guarded(lambda: armt_ratios(only_result(records.get("armt_schedule")), ceil)),
+        "pq_decode": guarded(lambda: pq_decode_ratios(only_result(records.get("pq_decode")), ceil)),
+    }
     real = (records.get("real_model") or {}).get("results")
     if real:
         ratios["real_model"] = {k: v.get("summary", v) for k, v in real.items()}
     pytest = ((records.get("pytest") or {}).get("results") or {}).get("pytest", {}).get("counts")
     return {
         "steps": {name: {k: r[k] for k in STEP_FIELDS if k in r} for name, r in records.items()},
-        "environment": {**environment, "jax_devices": limits.get("environment", {}).get("devices"),
-                        "jax_backend": limits.get("environment", {}).get("backend")},
-        "ceilings": ceil, "gpu_tests": pytest, "ratios": ratios, "goals": goals(ratios),
+        "environment": {
+            **environment,
+            "jax_devices": limits.get("environment", {}).get("devices"),
+            "jax_backend": limits.get("environment", {}).get("backend"),
+        },
+        "ceilings": ceil,
+        "gpu_tests": pytest,
+        "ratios": ratios,
+        "goals": goals(ratios),
     }

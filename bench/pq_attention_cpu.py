@@ -46,17 +46,26 @@ def _pq_case(rng: np.random.Generator, context: int, sub_dim: int) -> tuple[jax.
     """Random codes/codebooks/window for one PQ decode step (the values do not change the cost)."""
     subspaces = HEAD_DIM // sub_dim
     coded = context - WINDOW
-    codes = lambda: jnp.asarray(rng.integers(0, CENTROIDS, (1, KV_HEADS, coded, subspaces)), jnp.uint8)  # noqa: E731
-    cent = lambda: jnp.asarray(rng.standard_normal((subspaces, CENTROIDS, sub_dim)), jnp.float32)  # noqa: E731
-    window = lambda: jnp.asarray(rng.standard_normal((1, KV_HEADS, WINDOW, HEAD_DIM)), jnp.bfloat16)  # noqa: E731
+    codes = lambda: jnp.asarray(rng.integers(0, CENTROIDS, (1, KV_HEADS, coded, subspaces)), jnp.uint8)
+    cent = lambda: jnp.asarray(rng.standard_normal((subspaces, CENTROIDS, sub_dim)), jnp.float32)
+    window = lambda: jnp.asarray(rng.standard_normal((1, KV_HEADS, WINDOW, HEAD_DIM)), jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((1, HEADS, HEAD_DIM)), jnp.bfloat16)
-    return (q, codes(), codes(), cent(), cent(), jnp.array([coded], jnp.int32), window(), window(),
-            jnp.array([WINDOW], jnp.int32))
+    return (
+        q,
+        codes(),
+        codes(),
+        cent(),
+        cent(),
+        jnp.array([coded], jnp.int32),
+        window(),
+        window(),
+        jnp.array([WINDOW], jnp.int32),
+    )
 
 
 def measure(context: int, repeats: int, rng: np.random.Generator) -> dict[str, Any]:
     """Time PQ (ds 2 and 4) and exact attention side by side at one context length."""
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     pq = jax.jit(lambda *a: pq_decode_attention(*a, scale, backend="xla"))
     exact = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale))
     fns: dict[str, Any] = {}
@@ -70,14 +79,24 @@ def measure(context: int, repeats: int, rng: np.random.Generator) -> dict[str, A
     fns["exact_bf16"] = lambda: exact(q, k, v)
     fns["exact_fp32"] = lambda: exact(q32, k32, v32)
     times = interleaved_times(fns, repeats=repeats)
-    row: dict[str, Any] = {"context": context, "times": times,
-                           "bytes": {"exact_bf16": exact_bytes(context, 2), "exact_fp32": exact_bytes(context, 4),
-                                     **{f"pq_ds{d}": pq_bytes(context, d) for d in SUB_DIMS}}}
-    row["pq_time_over_exact_bf16"] = {f"pq_ds{d}": times[f"pq_ds{d}"]["median_s"] / times["exact_bf16"]["median_s"]
-                                      for d in SUB_DIMS}
-    row["pq_time_over_exact_fp32"] = {f"pq_ds{d}": times[f"pq_ds{d}"]["median_s"] / times["exact_fp32"]["median_s"]
-                                      for d in SUB_DIMS}
-    row["pq_bytes_over_exact_bf16"] = {f"pq_ds{d}": pq_bytes(context, d) / exact_bytes(context, 2) for d in SUB_DIMS}
+    row: dict[str, Any] = {
+        "context": context,
+        "times": times,
+        "bytes": {
+            "exact_bf16": exact_bytes(context, 2),
+            "exact_fp32": exact_bytes(context, 4),
+            **{f"pq_ds{d}": pq_bytes(context, d) for d in SUB_DIMS},
+        },
+    }
+    row["pq_time_over_exact_bf16"] = {
+        f"pq_ds{d}": times[f"pq_ds{d}"]["median_s"] / times["exact_bf16"]["median_s"] for d in SUB_DIMS
+    }
+    row["pq_time_over_exact_fp32"] = {
+        f"pq_ds{d}": times[f"pq_ds{d}"]["median_s"] / times["exact_fp32"]["median_s"] for d in SUB_DIMS
+    }
+    row["pq_bytes_over_exact_bf16"] = {
+        f"pq_ds{d}": pq_bytes(context, d) / exact_bytes(context, 2) for d in SUB_DIMS
+    }
     return row
 
 
@@ -131,14 +150,27 @@ def main() -> None:
         r = {m: f"{v:.2f}" for m, v in row["pq_time_over_exact_bf16"].items()}
         print(f"context {context:6d}: {t}  pq/exact_bf16 time {r}", flush=True)
     name = "pq_attention_cpu"
-    write_result(name, {
-        "config": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "centroids": CENTROIDS,
-                   "window": WINDOW, "sub_dims": list(SUB_DIMS), "batch": 1, "contexts": list(contexts),
-                   "repeats": repeats, "quick": args.quick, "pq_backend": "xla"},
-        "results": rows,
-        "load_average_1_5_15min": list(os.getloadavg()),  # shared machine: other jobs skew absolute times
-        "notes": NOTES,
-    })
+    write_result(
+        name,
+        {
+            "config": {
+                "heads": HEADS,
+                "kv_heads": KV_HEADS,
+                "head_dim": HEAD_DIM,
+                "centroids": CENTROIDS,
+                "window": WINDOW,
+                "sub_dims": list(SUB_DIMS),
+                "batch": 1,
+                "contexts": list(contexts),
+                "repeats": repeats,
+                "quick": args.quick,
+                "pq_backend": "xla",
+            },
+            "results": rows,
+            "load_average_1_5_15min": list(os.getloadavg()),  # shared machine: other jobs skew absolute times
+            "notes": NOTES,
+        },
+    )
     plot(rows, name)
 
 

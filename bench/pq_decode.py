@@ -20,12 +20,33 @@ from bench.common import interleaved_times, plot_path, save_plot, subplots, use_
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.demo import BASE_MODEL
 
-LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
-                        num_kv_heads=32, head_dim=128)
-LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                        num_kv_heads=8, head_dim=128)
-SMALL = ModelConfig(vocab_size=4096, hidden_size=192, intermediate_size=512, num_layers=4, num_heads=6,
-                    num_kv_heads=2, head_dim=32)  # the shipped model's shape, if its files are absent
+LLAMA2_7B = ModelConfig(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+)
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+)
+SMALL = ModelConfig(
+    vocab_size=4096,
+    hidden_size=192,
+    intermediate_size=512,
+    num_layers=4,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=32,
+)  # the shipped model's shape, if its files are absent
 
 
 def _our_config() -> ModelConfig:
@@ -42,8 +63,16 @@ def _random_codebooks(cfg: ModelConfig, ds: int, bits: int = 8):
 
     shape = centroid_shape("shared", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ds, bits)
     kk, kv = jax.random.split(jax.random.key(0))
-    return Codebooks(jax.random.normal(kk, shape), jax.random.normal(kv, shape), "shared", ds, bits, cfg.head_dim,
-                     cfg.num_layers, cfg.num_kv_heads)
+    return Codebooks(
+        jax.random.normal(kk, shape),
+        jax.random.normal(kv, shape),
+        "shared",
+        ds,
+        bits,
+        cfg.head_dim,
+        cfg.num_layers,
+        cfg.num_kv_heads,
+    )
 
 
 class _Chain:
@@ -74,8 +103,9 @@ def _dense_chain(model, context: int, total_steps: int, batch: int):
 
     def advance(state):
         cache, logits, i = state
-        _, _, logits, cache = step(model.params, cache, logits, key, done, jnp.full((batch,), context + i),
-                                   jnp.int32(context + i))
+        _, _, logits, cache = step(
+            model.params, cache, logits, key, done, jnp.full((batch,), context + i), jnp.int32(context + i)
+        )
         return cache, logits, i + 1
 
     return _Chain(advance, (cache, logits, 0))
@@ -93,17 +123,25 @@ def _pq_chain(model, codebooks, context: int, total_steps: int, window: int, bat
     k_cent, v_cent = codebooks.stacked()
     codes_shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, codebooks.num_subspaces)
     codes = jax.random.randint(jax.random.key(2), codes_shape, 0, codebooks.num_centroids).astype(jnp.uint8)
-    win = jax.random.normal(jax.random.key(3), (cfg.num_layers, batch, cfg.num_kv_heads, window, cfg.head_dim),
-                            model.dtype)
-    cache = PQCache(codes, codes + 1, win, win * 0.5, jnp.full((batch,), context - exact, jnp.int32),
-                    jnp.full((batch,), exact, jnp.int32))
+    win = jax.random.normal(
+        jax.random.key(3), (cfg.num_layers, batch, cfg.num_kv_heads, window, cfg.head_dim), model.dtype
+    )
+    cache = PQCache(
+        codes,
+        codes + 1,
+        win,
+        win * 0.5,
+        jnp.full((batch,), context - exact, jnp.int32),
+        jnp.full((batch,), exact, jnp.int32),
+    )
     logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
     done, key = jnp.zeros((batch,), bool), jax.random.key(0)
 
     def advance(state):
         cache, logits, i = state
-        _, _, logits, cache = step(model.params, k_cent, v_cent, cache, logits, key, done,
-                                   jnp.full((batch,), context + i))
+        _, _, logits, cache = step(
+            model.params, k_cent, v_cent, cache, logits, key, done, jnp.full((batch,), context + i)
+        )
         return cache, logits, i + 1
 
     return _Chain(advance, (cache, logits, 0))
@@ -115,12 +153,19 @@ def _flush_seconds(model, codebooks, window: int, batch: int, repeats: int) -> f
 
     cfg = model.config
     k_cent, v_cent = codebooks.stacked()
-    codes = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, 2 * window, codebooks.num_subspaces), jnp.uint8)
-    win = jax.random.normal(jax.random.key(4), (cfg.num_layers, batch, cfg.num_kv_heads, window, cfg.head_dim),
-                            model.dtype)
-    cache = PQCache(codes, codes, win, win, jnp.zeros((batch,), jnp.int32), jnp.full((batch,), window, jnp.int32))
+    codes = jnp.zeros(
+        (cfg.num_layers, batch, cfg.num_kv_heads, 2 * window, codebooks.num_subspaces), jnp.uint8
+    )
+    win = jax.random.normal(
+        jax.random.key(4), (cfg.num_layers, batch, cfg.num_kv_heads, window, cfg.head_dim), model.dtype
+    )
+    cache = PQCache(
+        codes, codes, win, win, jnp.zeros((batch,), jnp.int32), jnp.full((batch,), window, jnp.int32)
+    )
     flush = jax.jit(flush_full_rows)
-    return interleaved_times({"flush": lambda: flush(cache, k_cent, v_cent)}, repeats=repeats)["flush"]["median_s"]
+    return interleaved_times({"flush": lambda: flush(cache, k_cent, v_cent)}, repeats=repeats)["flush"][
+        "median_s"
+    ]
 
 
 def cache_bytes_table(contexts: list[int], window: int = 128) -> list[dict]:
@@ -144,10 +189,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--contexts", type=lambda v: [int(c) for c in v.split(",")],
-                   help="comma-separated context lengths instead of 1K..32K (bench/device_run.py: 32768)")
-    p.add_argument("--ds", type=lambda v: [int(d) for d in v.split(",")], default=[2, 4],
-                   help="comma-separated PQ sub-vector sizes (default 2,4)")
+    p.add_argument(
+        "--contexts",
+        type=lambda v: [int(c) for c in v.split(",")],
+        help="comma-separated context lengths instead of 1K..32K (bench/device_run.py: 32768)",
+    )
+    p.add_argument(
+        "--ds",
+        type=lambda v: [int(d) for d in v.split(",")],
+        default=[2, 4],
+        help="comma-separated PQ sub-vector sizes (default 2,4)",
+    )
     args = p.parse_args(argv)
     use_quick_results(args.quick)
 
@@ -164,26 +216,38 @@ def main(argv: list[str] | None = None) -> dict:
         fns = {"dense": _dense_chain(model, n, total, args.batch)}
         for ds, cb in books.items():
             fns[f"pq_ds{ds}"] = _pq_chain(model, cb, n, total, args.window, args.batch)
-        times = interleaved_times({k: (lambda f=f: f(args.steps)) for k, f in fns.items()}, repeats=args.repeats)
+        times = interleaved_times(
+            {k: (lambda f=f: f(args.steps)) for k, f in fns.items()}, repeats=args.repeats
+        )
         row = {"context": n, **{f"{k}_s_per_token": v["median_s"] / args.steps for k, v in times.items()}}
         for ds in books:
             row[f"dense_over_pq_ds{ds}"] = row["dense_s_per_token"] / row[f"pq_ds{ds}_s_per_token"]
         timing.append(row)
         print(row, flush=True)
         del fns
-    flush = {f"pq_ds{ds}_flush_s": _flush_seconds(model, cb, args.window, args.batch, args.repeats)
-             for ds, cb in books.items()}
+    flush = {
+        f"pq_ds{ds}_flush_s": _flush_seconds(model, cb, args.window, args.batch, args.repeats)
+        for ds, cb in books.items()
+    }
     for row in timing:  # amortize one flush per R tokens
         for ds in books:
             amortized = row[f"pq_ds{ds}_s_per_token"] + flush[f"pq_ds{ds}_flush_s"] / args.window
             row[f"pq_ds{ds}_amortized_s_per_token"] = amortized
             row[f"dense_over_pq_ds{ds}_amortized"] = row["dense_s_per_token"] / amortized
     payload = {
-        "config": {"model_config": cfg.to_dict(), "dtype": jnp.dtype(dtype).name, "batch": args.batch,
-                   "window": args.window, "steps_per_call": args.steps, "repeats": args.repeats, "contexts": contexts,
-                   "ds": list(books),
-                   "codebooks": "shared, 8-bit, random centroids", "quick": args.quick,
-                   "pq_backend": "pallas" if gpu else "xla"},
+        "config": {
+            "model_config": cfg.to_dict(),
+            "dtype": jnp.dtype(dtype).name,
+            "batch": args.batch,
+            "window": args.window,
+            "steps_per_call": args.steps,
+            "repeats": args.repeats,
+            "contexts": contexts,
+            "ds": list(books),
+            "codebooks": "shared, 8-bit, random centroids",
+            "quick": args.quick,
+            "pq_backend": "pallas" if gpu else "xla",
+        },
         "timing": timing,
         "flush": flush,
         "cache_bytes": cache_bytes_table([1024, 2048, 4096, 8192, 16384, 32768], args.window),
@@ -199,20 +263,38 @@ def _plot(payload: dict, path: Path) -> None:
     ctx = [r["context"] for r in payload["timing"]]
     a.plot(ctx, [1e3 * r["dense_s_per_token"] for r in payload["timing"]], "o-", label="dense")
     for ds in payload["config"]["ds"]:
-        a.plot(ctx, [1e3 * r[f"pq_ds{ds}_amortized_s_per_token"] for r in payload["timing"]], "o-",
-               label=f"pq ds{ds} (flush amortized)")
-    a.set(xscale="log", xlabel="context (tokens)", ylabel="ms per output token",
-          title=f"decode, batch {payload['config']['batch']}, {payload['config']['dtype']}")
+        a.plot(
+            ctx,
+            [1e3 * r[f"pq_ds{ds}_amortized_s_per_token"] for r in payload["timing"]],
+            "o-",
+            label=f"pq ds{ds} (flush amortized)",
+        )
+    a.set(
+        xscale="log",
+        xlabel="context (tokens)",
+        ylabel="ms per output token",
+        title=f"decode, batch {payload['config']['batch']}, {payload['config']['dtype']}",
+    )
     a.legend()
     for name, style in (("ours", "-"), ("llama2-7b", "--"), ("llama3-8b", ":")):
         for ds in (2, 4):
             rows = [r for r in payload["cache_bytes"] if r["model"] == name and r["ds"] == ds]
-            b.plot([r["context"] for r in rows], [r["compression"] for r in rows], style, marker="o", ms=3,
-                   label=f"{name} ds{ds}")
+            b.plot(
+                [r["context"] for r in rows],
+                [r["compression"] for r in rows],
+                style,
+                marker="o",
+                ms=3,
+                label=f"{name} ds{ds}",
+            )
     b.axhline(4, color="gray", lw=0.5)
     b.axhline(8, color="gray", lw=0.5)
-    b.set(xscale="log", xlabel="context (tokens)", ylabel="dense bf16 bytes / PQ bytes",
-          title="KV cache compression vs dense bf16 (R=128)")
+    b.set(
+        xscale="log",
+        xlabel="context (tokens)",
+        ylabel="dense bf16 bytes / PQ bytes",
+        title="KV cache compression vs dense bf16 (R=128)",
+    )
     b.legend(fontsize=7)
     save_plot(fig, path, dpi=120)
 

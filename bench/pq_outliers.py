@@ -22,7 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import plot_path, save_plot, subplots, use_quick_results, write_result
-from jaxlongctx.kvcache import effective_bits, fake_quantize, fake_quantize_keys, fake_quantize_values, train_codebooks
+from jaxlongctx.kvcache import (
+    effective_bits,
+    fake_quantize,
+    fake_quantize_keys,
+    fake_quantize_values,
+    train_codebooks,
+)
 
 D = 128
 OUTLIER_CHANNELS = 4
@@ -30,14 +36,16 @@ OUTLIER_TOKEN_FRACTION = 0.01
 SCENARIOS = ("channel", "token")
 
 
-def draw_kv(key: jax.Array, tokens: int, scenario: str, factor: float, channels: jax.Array) -> tuple[jax.Array, jax.Array]:
+def draw_kv(
+    key: jax.Array, tokens: int, scenario: str, factor: float, channels: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Gaussian K/V [T, D] with outlier channels (keys only) or outlier tokens (keys and values)."""
     kk, kv, kt = jax.random.split(key, 3)
     keys = jax.random.normal(kk, (tokens, D))
     values = jax.random.normal(kv, (tokens, D))
     if scenario == "channel":
         return keys.at[:, channels].multiply(factor), values
-    n_out = max(1, int(round(OUTLIER_TOKEN_FRACTION * tokens)))
+    n_out = max(1, round(OUTLIER_TOKEN_FRACTION * tokens))
     rows = jax.random.choice(kt, tokens, (n_out,), replace=False)
     return keys.at[rows].multiply(factor), values.at[rows].multiply(factor)
 
@@ -82,7 +90,8 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
     for si, scenario in enumerate(SCENARIOS):
         per_method: dict[str, dict[str, list[float]]] = {
-            m: {"attn_rel_err": [], "attn_rel_err_max": [], "key_rel_err": [], "value_rel_err": []} for m in methods
+            m: {"attn_rel_err": [], "attn_rel_err_max": [], "key_rel_err": [], "value_rel_err": []}
+            for m in methods
         }
         for fi, factor in enumerate(cfg["factors"]):
             k_eval, k_cal, k_q, k_train = jax.random.split(jax.random.fold_in(root, 100 * si + fi + 1), 4)
@@ -93,8 +102,14 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
             approx: dict[str, tuple[jax.Array, jax.Array]] = {}
             for ds in (2, 4):
                 cb = train_codebooks(
-                    cal_k[None, :, None], cal_v[None, :, None], ds, 8, "shared", cfg["kmeans_iters"],
-                    key=k_train, progress=False,
+                    cal_k[None, :, None],
+                    cal_v[None, :, None],
+                    ds,
+                    8,
+                    "shared",
+                    cfg["kmeans_iters"],
+                    key=k_train,
+                    progress=False,
                 )
                 k_cent, v_cent = cb.for_layer(0)
                 approx[f"pq_ds{ds}"] = (fake_quantize(keys, k_cent), fake_quantize(values, v_cent))
@@ -131,8 +146,14 @@ def plot(payload: dict[str, Any], name: str) -> None:
     for ax, scenario in zip(axes, SCENARIOS):
         for method, (color, ls, marker) in styles.items():
             bpe = payload["methods"][method]["bits_per_element"]
-            ax.plot(factors, payload["results"][scenario][method]["attn_rel_err"], color=color, ls=ls,
-                    marker=marker, label=f"{method} ({bpe:g} b/elt)")
+            ax.plot(
+                factors,
+                payload["results"][scenario][method]["attn_rel_err"],
+                color=color,
+                ls=ls,
+                marker=marker,
+                label=f"{method} ({bpe:g} b/elt)",
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("outlier factor")
@@ -147,7 +168,9 @@ def plot(payload: dict[str, Any], name: str) -> None:
 def main() -> None:
     """CLI entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes (a couple of minutes on 2 CPU cores)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes (a couple of minutes on 2 CPU cores)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     use_quick_results(args.quick)

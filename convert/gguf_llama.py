@@ -103,8 +103,9 @@ def open_gguf(path: str | Path) -> Any:
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size or t.data.nbytes != int(t.n_bytes):
-            raise GGUFError(f"{path}: truncated: tensor {t.name!r} needs bytes up to {end:,} but the file has "
-                            f"{size:,}")
+            raise GGUFError(
+                f"{path}: truncated: tensor {t.name!r} needs bytes up to {end:,} but the file has {size:,}"
+            )
     return reader
 
 
@@ -133,26 +134,39 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], where: s
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise GGUFError(f"{where}: partial rope ({arch}.rope.dimension_count={rope_dim} < head_dim={head_dim}) "
-                        "is not supported")
+        raise GGUFError(
+            f"{where}: partial rope ({arch}.rope.dimension_count={rope_dim} < head_dim={head_dim}) "
+            "is not supported"
+        )
     if "rope_freqs.weight" in tensors:
-        raise GGUFError(f"{where}: per-frequency rope factors (tensor 'rope_freqs.weight', Llama 3.1-style rope "
-                        "scaling) are not supported")
+        raise GGUFError(
+            f"{where}: per-frequency rope factors (tensor 'rope_freqs.weight', Llama 3.1-style rope "
+            "scaling) are not supported"
+        )
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{where}: missing tensor 'token_embd.weight'")
     vocab = int(meta.get(f"{arch}.vocab_size", int(tensors["token_embd.weight"].shape[1])))
     tok = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
     return ModelConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(meta, arch, where),
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 131072)),
         tie_word_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors, model_type=arch,
-        bos_token_id=tok["bos"], eos_token_id=tok["eos"], pad_token_id=tok["padding"],
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        model_type=arch,
+        bos_token_id=tok["bos"],
+        eos_token_id=tok["eos"],
+        pad_token_id=tok["padding"],
     )
 
 
@@ -181,8 +195,10 @@ class GGUFTensorReader:
             if name is None:
                 raise GGUFError(f"{path}: unknown tensor {t.name!r} for a {config.model_type} model")
             if t.tensor_type.name not in SUPPORTED_TYPES:
-                raise GGUFError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which is not supported "
-                                f"(supported: {', '.join(SUPPORTED_TYPES)})")
+                raise GGUFError(
+                    f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which is not supported "
+                    f"(supported: {', '.join(SUPPORTED_TYPES)})"
+                )
             self.location[name] = path
             self._tensors[name] = t
         self._dequantize = gguf.quants.dequantize
@@ -236,13 +252,26 @@ def load_gguf(gguf_file: str | Path, dtype: Any = None, mesh: Any = None) -> Any
     return Model(nnx.merge(graphdef, state), tokenizer=tokenizer)
 
 
-def convert_gguf_to_ckpt(gguf_file: str | Path, out: str | Path, dtype: str | None = None, *,
-                         overwrite: bool = False, progress: bool = True) -> Path:
+def convert_gguf_to_ckpt(
+    gguf_file: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
     """Convert a GGUF file into our checkpoint at `out` (atomic; tokenizer.json and
     tokenizer_config.json with the chat template included); returns `out`."""
     gguf_file = Path(gguf_file)
     meta, config, tensors = open_for_import(gguf_file)
     extras = tokenizer_files(meta, str(gguf_file)) if "tokenizer.ggml.model" in meta else {}
-    return write_checkpoint(tensors, config, out, dtype or "fp32", source=gguf_file, extras=extras, overwrite=overwrite,
-                            progress=progress)
-
+    return write_checkpoint(
+        tensors,
+        config,
+        out,
+        dtype or "fp32",
+        source=gguf_file,
+        extras=extras,
+        overwrite=overwrite,
+        progress=progress,
+    )

@@ -24,10 +24,14 @@ from jaxlongctx.tokenizer import END_OF_TURN_TOKENS, ChatTokenizer
 # llama.cpp token types (tokenizer.ggml.token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # tokenizer.ggml.pre -> how the text is split before byte-level BPE.
 _GPT2_PRE = ("default", "gpt2", "gpt-2", "olmo", "jais", "poro-chat", "viking", "bloom", "gpt3-finnish")
 _DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
@@ -39,14 +43,24 @@ def _byte_level_pre_tokenizer(pre: str | None, where: str) -> tuple[Any, bool]:
     """(pre-tokenizer, ignore_merges) for a byte-level vocabulary with `tokenizer.ggml.pre` = `pre`."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if pre in _DIGITS_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]), False
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        ), False
     if pre in _LLAMA3_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"), byte_level]), True
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"), byte_level]
+        ), True
     if pre in _QWEN2_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated"), byte_level]), False
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated"), byte_level]
+        ), False
     if pre not in _GPT2_PRE and pre is not None:
-        warnings.warn(f"{where}: unknown tokenizer.ggml.pre {pre!r}; splitting text as GPT-2 does", stacklevel=3)
+        warnings.warn(
+            f"{where}: unknown tokenizer.ggml.pre {pre!r}; splitting text as GPT-2 does", stacklevel=3
+        )
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False
 
 
@@ -84,12 +98,19 @@ def _sentencepiece_bpe(meta: dict[str, Any], where: str) -> Tokenizer:
         raise ConversionError(f"{where}: a llama (SentencePiece) tokenizer without tokenizer.ggml.scores")
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     unk = meta.get("tokenizer.ggml.unknown_token_id")
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)},
-                               _score_merges(tokens, meta["tokenizer.ggml.scores"], types),
-                               unk_token=tokens[unk] if unk is not None else None, fuse_unk=True, byte_fallback=True))
+    tok = Tokenizer(
+        models.BPE(
+            {t: i for i, t in enumerate(tokens)},
+            _score_merges(tokens, meta["tokenizer.ggml.scores"], types),
+            unk_token=tokens[unk] if unk is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
-                                                 prepend_scheme="first" if prefix_space else "never", split=False)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix_space else "never", split=False
+    )
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix_space else []))
     return tok
@@ -111,8 +132,9 @@ def _check_vocabulary(meta: dict[str, Any], where: str) -> None:
     for name in ("bos", "eos", "unknown", "padding", "eot", "eom"):
         i = meta.get(f"tokenizer.ggml.{name}_token_id")
         if i is not None and not 0 <= int(i) < len(tokens):
-            raise ConversionError(f"{where}: tokenizer.ggml.{name}_token_id={i} is outside the {len(tokens)}-token "
-                                  "vocabulary")
+            raise ConversionError(
+                f"{where}: tokenizer.ggml.{name}_token_id={i} is outside the {len(tokens)}-token vocabulary"
+            )
 
 
 def build_tokenizer(meta: dict[str, Any], where: str) -> Tokenizer:
@@ -125,9 +147,12 @@ def build_tokenizer(meta: dict[str, Any], where: str) -> Tokenizer:
     tok = builders[kind](meta, where)
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                            for t, k in zip(tokens, types) if k == CONTROL])
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    tok.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == CONTROL]
+    )
+    tok.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    )
     bos = _special(meta, "bos") if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") else None
     eos = _special(meta, "eos") if meta.get("tokenizer.ggml.add_eos_token", False) else None
     single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
@@ -142,8 +167,10 @@ def tokenizer_parts(meta: dict[str, Any], where: str) -> tuple[Tokenizer, dict[s
     tok = build_tokenizer(meta, where)
     kind = meta["tokenizer.ggml.model"]
     config: dict[str, Any] = {
-        "bos_token": _special(meta, "bos"), "eos_token": _special(meta, "eos"),
-        "unk_token": _special(meta, "unknown"), "pad_token": _special(meta, "padding"),
+        "bos_token": _special(meta, "bos"),
+        "eos_token": _special(meta, "eos"),
+        "unk_token": _special(meta, "unknown"),
+        "pad_token": _special(meta, "padding"),
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
@@ -152,9 +179,11 @@ def tokenizer_parts(meta: dict[str, Any], where: str) -> tuple[Tokenizer, dict[s
         config["chat_template"] = meta["tokenizer.chat_template"]
     stops = [meta[key] for k in ("eos", "eot", "eom") if (key := f"tokenizer.ggml.{k}_token_id") in meta]
     stops += [i for t in END_OF_TURN_TOKENS if (i := tok.token_to_id(t)) is not None]  # for transformers too
-    generation = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-                  "eos_token_id": list(dict.fromkeys(int(i) for i in stops)),
-                  "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
+    generation = {
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(int(i) for i in stops)),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
     return tok, config, generation
 
 
@@ -168,6 +197,8 @@ def tokenizer_files(meta: dict[str, Any], where: str) -> dict[str, bytes]:
     """HF tokenizer files (name -> content) for GGUF metadata `meta`: tokenizer.json,
     tokenizer_config.json and generation_config.json."""
     tok, config, generation = tokenizer_parts(meta, where)
-    return {"tokenizer.json": tok.to_str().encode(),
-            "tokenizer_config.json": (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode(),
-            "generation_config.json": (json.dumps(generation, indent=2) + "\n").encode()}
+    return {
+        "tokenizer.json": tok.to_str().encode(),
+        "tokenizer_config.json": (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode(),
+        "generation_config.json": (json.dumps(generation, indent=2) + "\n").encode(),
+    }

@@ -24,15 +24,21 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from jaxlongctx.checkpoint import (abstract_model, atomic_directory, read_metadata, restore_params,
-                                   save_params, write_metadata)
+from jaxlongctx.checkpoint import (
+    abstract_model,
+    atomic_directory,
+    read_metadata,
+    restore_params,
+    save_params,
+    write_metadata,
+)
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.output_dir import OutputError, check_free_space, check_output
-from flax import nnx
 
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp32": np.float32}
 # Tensors some exporters write that carry no weights.
@@ -74,11 +80,15 @@ def tensor_rules(config: ModelConfig) -> list[TensorRule]:
     if not config.tie_word_embeddings:
         rules.append(TensorRule(("lm_head",), "lm_head.weight", True, False))
     if config.qkv_bias:
-        rules += [TensorRule(("layers", f"b{x}"), lyr + f"self_attn.{x}_proj.bias", False, True) for x in "qkv"]
+        rules += [
+            TensorRule(("layers", f"b{x}"), lyr + f"self_attn.{x}_proj.bias", False, True) for x in "qkv"
+        ]
     if config.o_bias:
         rules.append(TensorRule(("layers", "bo"), lyr + "self_attn.o_proj.bias", False, True))
     if config.qk_norm:
-        rules += [TensorRule(("layers", f"{x}_norm"), lyr + f"self_attn.{x}_norm.weight", False, True) for x in "qk"]
+        rules += [
+            TensorRule(("layers", f"{x}_norm"), lyr + f"self_attn.{x}_norm.weight", False, True) for x in "qk"
+        ]
     return rules
 
 
@@ -90,8 +100,14 @@ class SafetensorsReader:
         pickled = sorted(p.name for p in hf_dir.glob("*.bin")) + sorted(p.name for p in hf_dir.glob("*.pt"))
         files = sorted(hf_dir.glob("*.safetensors"))
         if not files:
-            hint = (f" (found pickled PyTorch files {pickled}: they are refused because loading them "
-                    "would run arbitrary code; re-save the model with safetensors)") if pickled else ""
+            hint = (
+                (
+                    f" (found pickled PyTorch files {pickled}: they are refused because loading them "
+                    "would run arbitrary code; re-save the model with safetensors)"
+                )
+                if pickled
+                else ""
+            )
             raise ConversionError(f"{hf_dir}: no *.safetensors files{hint}")
         index_file = hf_dir / "model.safetensors.index.json"
         expected_files: dict[str, str] | None = None
@@ -114,9 +130,13 @@ class SafetensorsReader:
             self._handles[f] = handle
             for name in names:
                 if name in self.location:
-                    raise ConversionError(f"tensor {name!r} appears twice: in {self.location[name].name} and {f.name}")
+                    raise ConversionError(
+                        f"tensor {name!r} appears twice: in {self.location[name].name} and {f.name}"
+                    )
                 if expected_files is not None and expected_files.get(name) != f.name:
-                    raise ConversionError(f"{f}: tensor {name!r} is not listed for this file in {index_file.name}")
+                    raise ConversionError(
+                        f"{f}: tensor {name!r} is not listed for this file in {index_file.name}"
+                    )
                 self.location[name] = f
         if expected_files is not None:
             missing = sorted(set(expected_files) - set(self.location))
@@ -146,8 +166,14 @@ def _target_dtype(reader: SafetensorsReader, dtype: str | None) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if src == np.dtype(ml_dtypes.bfloat16) else np.dtype(np.float32)
 
 
-def convert_hf_to_ckpt(hf_dir: str | Path, out: str | Path, dtype: str | None = None, *,
-                       overwrite: bool = False, progress: bool = True) -> Path:
+def convert_hf_to_ckpt(
+    hf_dir: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
     """Convert a HF model directory into our checkpoint at `out` (atomic); returns `out`."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
@@ -155,12 +181,22 @@ def convert_hf_to_ckpt(hf_dir: str | Path, out: str | Path, dtype: str | None = 
     config = ModelConfig.from_hf(hf_dir / "config.json")
     reader = SafetensorsReader(hf_dir)
     extras = {name: (hf_dir / name).read_bytes() for name in _EXTRA_FILES if (hf_dir / name).exists()}
-    return write_checkpoint(reader, config, out, dtype, source=hf_dir, extras=extras, overwrite=overwrite,
-                            progress=progress)
+    return write_checkpoint(
+        reader, config, out, dtype, source=hf_dir, extras=extras, overwrite=overwrite, progress=progress
+    )
 
 
-def write_checkpoint(reader: Any, config: ModelConfig, out: str | Path, dtype: str | None, *, source: Path,
-                     extras: dict[str, bytes], overwrite: bool = False, progress: bool = True) -> Path:
+def write_checkpoint(
+    reader: Any,
+    config: ModelConfig,
+    out: str | Path,
+    dtype: str | None,
+    *,
+    source: Path,
+    extras: dict[str, bytes],
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
     """Write our checkpoint at `out` (atomic) from `reader`'s tensors, which carry HF names and layout
     (`reader.location`, `.shape(name)`, `.read(name)`: SafetensorsReader or a GGUF reader); every
     tensor the config needs must be there and no other. `extras` are files (name -> bytes) to add."""
@@ -171,8 +207,14 @@ def write_checkpoint(reader: Any, config: ModelConfig, out: str | Path, dtype: s
     with atomic_directory(out, overwrite=overwrite, inputs=(source,)) as tmp:
         buffers = tmp / "buffers"
         buffers.mkdir()
-        params = stack_params(reader, config, target, source, progress=progress,
-                              allocate=lambda name, shape: allocated_memmap(buffers / f"{name}.npy", target, shape))
+        params = stack_params(
+            reader,
+            config,
+            target,
+            source,
+            progress=progress,
+            allocate=lambda name, shape: allocated_memmap(buffers / f"{name}.npy", target, shape),
+        )
         save_params(tmp, params)
         del params
         shutil.rmtree(buffers)
@@ -182,14 +224,24 @@ def write_checkpoint(reader: Any, config: ModelConfig, out: str | Path, dtype: s
     return Path(out)
 
 
-def stack_params(reader: Any, config: ModelConfig, target: np.dtype, source: Path, *, progress: bool = True,
-                 allocate: Any = None) -> dict[str, Any]:
+def stack_params(
+    reader: Any,
+    config: ModelConfig,
+    target: np.dtype,
+    source: Path,
+    *,
+    progress: bool = True,
+    allocate: Any = None,
+) -> dict[str, Any]:
     """Our pure parameter dict (per-layer leaves stacked `[L, ...]`) from `reader`'s HF-named tensors,
     read one at a time into buffers from `allocate(name, shape)` (default: in memory); checks that
     every tensor the config needs is there with its shape and no other."""
     rules = tensor_rules(config)
-    expected = {rule.template.format(i=i) for rule in rules
-                for i in (range(config.num_layers) if rule.per_layer else [0])}
+    expected = {
+        rule.template.format(i=i)
+        for rule in rules
+        for i in (range(config.num_layers) if rule.per_layer else [0])
+    }
     known = set(reader.location)
     if config.tie_word_embeddings and "lm_head.weight" in known:
         known.discard("lm_head.weight")  # some exporters write the tied head too; checked below
@@ -198,8 +250,10 @@ def stack_params(reader: Any, config: ModelConfig, target: np.dtype, source: Pat
         tied_copy = False
     unknown = sorted(n for n in known - expected if not n.endswith(_IGNORED))
     if unknown:
-        raise ConversionError(f"{reader.location[unknown[0]]}: unknown tensor {unknown[0]!r} "
-                              f"for a {config.model_type} model with this config")
+        raise ConversionError(
+            f"{reader.location[unknown[0]]}: unknown tensor {unknown[0]!r} "
+            f"for a {config.model_type} model with this config"
+        )
     missing = sorted(expected - known)
     if missing:
         raise ConversionError(f"{source}: missing tensor {missing[0]!r}")
@@ -218,11 +272,15 @@ def stack_params(reader: Any, config: ModelConfig, target: np.dtype, source: Pat
                 hf_want = tuple(reversed(want)) if rule.transpose else tuple(want)
                 got = reader.shape(name)
                 if got != hf_want:
-                    raise ConversionError(f"{reader.location[name]}: tensor {name!r} has shape {got}, "
-                                          f"expected {hf_want} from the model config")
+                    raise ConversionError(
+                        f"{reader.location[name]}: tensor {name!r} has shape {got}, "
+                        f"expected {hf_want} from the model config"
+                    )
                 t = reader.read(name)
                 if not np.isfinite(t).all():
-                    raise ConversionError(f"{reader.location[name]}: tensor {name!r} holds NaN or infinite values")
+                    raise ConversionError(
+                        f"{reader.location[name]}: tensor {name!r} holds NaN or infinite values"
+                    )
                 t = (t.T if rule.transpose else t).astype(target)
                 if rule.per_layer:
                     buf[i] = t
@@ -232,8 +290,10 @@ def stack_params(reader: Any, config: ModelConfig, target: np.dtype, source: Pat
                 buf.flush()
             _assign(params, rule.ours, buf)
     if tied_copy and not np.array_equal(reader.read("lm_head.weight").astype(target), params["embed"]):
-        raise ConversionError(f"{reader.location['lm_head.weight']}: tensor 'lm_head.weight' differs from "
-                              "the embedding although tie_word_embeddings is true")
+        raise ConversionError(
+            f"{reader.location['lm_head.weight']}: tensor 'lm_head.weight' differs from "
+            "the embedding although tie_word_embeddings is true"
+        )
     return params
 
 
@@ -270,8 +330,9 @@ def allocated_memmap(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> np.
         try:
             os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
         except OSError as e:
-            raise OutputError(f"{path}: cannot reserve {os.fstat(f.fileno()).st_size / 2**20:,.0f} MiB "
-                              f"({e.strerror})") from None
+            raise OutputError(
+                f"{path}: cannot reserve {os.fstat(f.fileno()).st_size / 2**20:,.0f} MiB ({e.strerror})"
+            ) from None
     return buf
 
 
@@ -290,12 +351,22 @@ def _assign(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The converter's command-line options (shared with `jaxlongctx convert`)."""
     p.add_argument("--hf-dir", help="HF model directory (config.json + *.safetensors) to import")
-    p.add_argument("--gguf", metavar="FILE", help="llama.cpp GGUF file (llama, qwen2, qwen3; F32/F16/BF16 or "
-                   "Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K) to import, with its tokenizer and chat template")
-    p.add_argument("--export", metavar="CKPT", help="export this jaxlongctx checkpoint to a HF directory instead")
+    p.add_argument(
+        "--gguf",
+        metavar="FILE",
+        help="llama.cpp GGUF file (llama, qwen2, qwen3; F32/F16/BF16 or "
+        "Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K) to import, with its tokenizer and chat template",
+    )
+    p.add_argument(
+        "--export", metavar="CKPT", help="export this jaxlongctx checkpoint to a HF directory instead"
+    )
     p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="parameter dtype of the import (default: bf16 if the source is bf16, else fp32)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="parameter dtype of the import (default: bf16 if the source is bf16, else fp32)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
 
 
@@ -307,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         if args.export:
             out = export_ckpt_to_hf(args.export, args.out, overwrite=args.overwrite)
         elif args.gguf:
-            from convert.gguf_llama import convert_gguf_to_ckpt  # noqa: PLC0415
+            from convert.gguf_llama import convert_gguf_to_ckpt
 
             out = convert_gguf_to_ckpt(args.gguf, args.out, args.dtype, overwrite=args.overwrite)
         else:
@@ -321,8 +392,11 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m convert.hf_llama` entry point."""
-    p = argparse.ArgumentParser(prog="python -m convert.hf_llama", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m convert.hf_llama",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     return run(p.parse_args(argv))
 

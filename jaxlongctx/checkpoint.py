@@ -38,7 +38,9 @@ def save_params(directory: Path, params: Any) -> None:
         ckptr.save(directory / "params", params)
 
 
-def write_metadata(directory: Path, config: ModelConfig, dtype: str, extra: dict[str, Any] | None = None) -> None:
+def write_metadata(
+    directory: Path, config: ModelConfig, dtype: str, extra: dict[str, Any] | None = None
+) -> None:
     """Write `config.json` in our format."""
     meta = {"format": FORMAT, "dtype": dtype, "config": config.to_dict(), **(extra or {})}
     (directory / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -79,8 +81,9 @@ def declares_checkpoint(path: str | Path) -> bool:
     return isinstance(meta, dict) and str(meta.get("format", "")).startswith("jaxlongctx-checkpoint")
 
 
-def save_model(module: Llama, path: str | Path, *, overwrite: bool = False,
-               tokenizer_file: str | Path | None = None) -> Path:
+def save_model(
+    module: Llama, path: str | Path, *, overwrite: bool = False, tokenizer_file: str | Path | None = None
+) -> Path:
     """Save a model atomically; returns the checkpoint path."""
     params = nnx.to_pure_dict(nnx.state(module))
     dtype = str(jax.tree.leaves(params)[0].dtype)
@@ -108,8 +111,10 @@ def on_device(target: Any) -> Any:
 
 def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """{tensor name: (shape, dtype name)} of a tree of arrays, ShapeDtypeStructs or orbax metadata."""
-    return {jax.tree_util.keystr(k, simple=True, separator="."): (tuple(v.shape), str(jnp.dtype(v.dtype)))
-            for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+    return {
+        jax.tree_util.keystr(k, simple=True, separator="."): (tuple(v.shape), str(jnp.dtype(v.dtype)))
+        for k, v in jax.tree_util.tree_leaves_with_path(tree)
+    }
 
 
 def check_stored_tensors(directory: Path, target: Any) -> None:
@@ -119,17 +124,23 @@ def check_stored_tensors(directory: Path, target: Any) -> None:
         with ocp.StandardCheckpointer() as ckptr:
             meta = ckptr.metadata(directory)
     except (FileNotFoundError, ValueError, KeyError, OSError) as e:
-        raise CheckpointError(f"{directory}: cannot read the stored tensors ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{directory}: cannot read the stored tensors ({type(e).__name__}: {e})"
+        ) from None
     stored, wanted = _shapes(getattr(meta, "item_metadata", meta)), _shapes(target)
     for name in sorted(wanted.keys() | stored.keys()):
         if name not in stored:
             raise CheckpointError(f"{directory}: tensor {name!r} is missing")
         if name not in wanted:
-            raise CheckpointError(f"{directory}: unexpected tensor {name!r} (not in the model config.json describes)")
+            raise CheckpointError(
+                f"{directory}: unexpected tensor {name!r} (not in the model config.json describes)"
+            )
         if stored[name] != wanted[name]:
             (s_shape, s_dtype), (w_shape, w_dtype) = stored[name], wanted[name]
-            raise CheckpointError(f"{directory}: tensor {name!r} is stored as {s_dtype}{list(s_shape)} but "
-                                  f"config.json implies {w_dtype}{list(w_shape)}")
+            raise CheckpointError(
+                f"{directory}: tensor {name!r} is stored as {s_dtype}{list(s_shape)} but "
+                f"config.json implies {w_dtype}{list(w_shape)}"
+            )
 
 
 def restore_params(path: str | Path, target: Any) -> Any:
@@ -144,8 +155,7 @@ def restore_params(path: str | Path, target: Any) -> Any:
         raise CheckpointError(f"{path}: cannot restore parameters ({type(e).__name__}: {e})") from None
 
 
-def load_module(path: str | Path, dtype: jnp.dtype | None = None,
-                shardings: Any = None) -> Llama:
+def load_module(path: str | Path, dtype: jnp.dtype | None = None, shardings: Any = None) -> Llama:
     """Load a `Llama` from our checkpoint, optionally casting to `dtype` and placing with `shardings`
     (a pytree of shardings matching the pure parameter dict, for restoring straight into shards)."""
     meta = read_metadata(path)
@@ -154,7 +164,9 @@ def load_module(path: str | Path, dtype: jnp.dtype | None = None,
     skeleton = abstract_model(config, stored)
     pure = nnx.to_pure_dict(nnx.state(skeleton))
     if shardings is not None:
-        pure = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), pure, shardings)
+        pure = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), pure, shardings
+        )
     restored = restore_params(path, pure)
     if dtype is not None and jnp.dtype(dtype) != stored:
         restored = jax.tree.map(lambda x: x.astype(dtype), restored)
@@ -162,4 +174,3 @@ def load_module(path: str | Path, dtype: jnp.dtype | None = None,
     graphdef, state = nnx.split(skeleton)
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)
-

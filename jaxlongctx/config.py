@@ -11,6 +11,7 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
+
 class ConfigError(ValueError):
     """A model configuration that jaxlongctx cannot run."""
 
@@ -41,24 +42,40 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
                 raise ConfigError(f"config field {name!r} must be a positive integer, got {value!r}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
                 raise ConfigError(f"config field {name!r} must be a positive finite number, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_kv_heads})")
+                f"({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ("llama3", "linear"):
-            raise ConfigError(f"unsupported rope_scaling type {self.rope_scaling.get('rope_type')!r} "
-                              "(supported: none, 'llama3', 'linear')")
+            raise ConfigError(
+                f"unsupported rope_scaling type {self.rope_scaling.get('rope_type')!r} "
+                "(supported: none, 'llama3', 'linear')"
+            )
 
     def __hash__(self) -> int:
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -117,21 +134,36 @@ class ModelConfig:
         except ConfigError:
             raise
         except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
-            raise ConfigError(f"{where}: a field has the wrong type or value ({type(e).__name__}: {e})") from None
+            raise ConfigError(
+                f"{where}: a field has the wrong type or value ({type(e).__name__}: {e})"
+            ) from None
 
     def to_hf(self) -> dict[str, Any]:
         """A HuggingFace `config.json` dict that `transformers` loads as the same model."""
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+        arch = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+        }[self.model_type]
         hf: dict[str, Any] = {
-            "architectures": [arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
         if self.model_type in ("llama", "mistral"):
@@ -148,15 +180,25 @@ class ModelConfig:
         return hf
 
 
-_HF_INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                      "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+_HF_INTEGER_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "sliding_window",
+)
 
 
 def _from_hf_dict(hf: dict[str, Any], where: str) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"{where}: unsupported model_type {model_type!r} "
-                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ConfigError(
+            f"{where}: unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in hf:
             raise ConfigError(f"{where}: missing required field {key!r}")
@@ -168,7 +210,11 @@ def _from_hf_dict(hf: dict[str, Any], where: str) -> ModelConfig:
     if hf.get("pretraining_tp", 1) not in (1, None):
         raise ConfigError(f"{where}: unsupported field pretraining_tp={hf['pretraining_tp']}")
     for key, value in hf.items():
-        if key in _HF_INTEGER_FIELDS and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if (
+            key in _HF_INTEGER_FIELDS
+            and value is not None
+            and (isinstance(value, bool) or not isinstance(value, int))
+        ):
             raise ConfigError(f"{where}: field {key!r} must be an integer, got {value!r}")
     heads = hf["num_attention_heads"]
     if heads <= 0:
@@ -183,9 +229,7 @@ def _from_hf_dict(hf: dict[str, Any], where: str) -> ModelConfig:
     scaling = _normalise_rope_scaling(scaling, where)
 
     sliding = None
-    if model_type == "mistral":
-        sliding = hf.get("sliding_window")
-    elif hf.get("use_sliding_window"):
+    if model_type == "mistral" or hf.get("use_sliding_window"):
         sliding = hf.get("sliding_window")
     if model_type == "qwen2" or model_type == "qwen3":
         qkv_bias, o_bias = model_type == "qwen2", False
@@ -195,15 +239,26 @@ def _from_hf_dict(hf: dict[str, Any], where: str) -> ModelConfig:
         qkv_bias = o_bias = bool(hf.get("attention_bias", False))
     eos = hf.get("eos_token_id")
     return ModelConfig(
-        vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=model_type == "qwen3",
-        sliding_window=int(sliding) if sliding else None, model_type=model_type,
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, pad_token_id=hf.get("pad_token_id"),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm=model_type == "qwen3",
+        sliding_window=int(sliding) if sliding else None,
+        model_type=model_type,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos,
+        pad_token_id=hf.get("pad_token_id"),
     )
 
 
@@ -219,7 +274,8 @@ def _normalise_rope_scaling(scaling: dict[str, Any] | None, where: str) -> dict[
     if kind == "llama3":
         try:
             return {
-                "rope_type": "llama3", "factor": float(scaling["factor"]),
+                "rope_type": "llama3",
+                "factor": float(scaling["factor"]),
                 "low_freq_factor": float(scaling["low_freq_factor"]),
                 "high_freq_factor": float(scaling["high_freq_factor"]),
                 "original_max_position_embeddings": int(scaling["original_max_position_embeddings"]),

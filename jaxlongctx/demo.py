@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -50,7 +51,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def retrieval(armt: Any, context: int, samples: int, facts: int, echo: Callable[[str], None]) -> dict[str, Any]:
+def retrieval(
+    armt: Any, context: int, samples: int, facts: int, echo: Callable[[str], None]
+) -> dict[str, Any]:
     """Answer `samples` held-out haystack questions of `context` tokens, `facts` facts each, with ARMT
     (diagonal schedule)."""
     tok = armt.tokenizer
@@ -70,46 +73,64 @@ def retrieval(armt: Any, context: int, samples: int, facts: int, echo: Callable[
     right = sum(r["exact"] for r in rows)
     low, high = exact_match_interval(right, samples)
     digits = sum(r["digits"] for r in rows) / (samples * CODE_DIGITS)
-    echo(f"  accuracy over {samples} samples: exact {right / samples:.0%} (95% interval {low:.0%}-{high:.0%}; "
-         f"chance {10.0 ** -CODE_DIGITS:.2%}), per digit {digits:.0%} (chance 10%)")
-    return {"exact_match": right / samples, "exact_match_ci95": [low, high], "digit_accuracy": digits,
-            "samples": samples, "facts": facts}
+    echo(
+        f"  accuracy over {samples} samples: exact {right / samples:.0%} (95% interval {low:.0%}-{high:.0%}; "
+        f"chance {10.0**-CODE_DIGITS:.2%}), per digit {digits:.0%} (chance 10%)"
+    )
+    return {
+        "exact_match": right / samples,
+        "exact_match_ci95": [low, high],
+        "digit_accuracy": digits,
+        "samples": samples,
+        "facts": facts,
+    }
 
 
 def schedule_times(armt: Any, base: Any, context: int, echo: Callable[[str], None]) -> dict[str, float]:
     """Seconds for one forward over `context` tokens: ARMT diagonal / sequential, full attention."""
     ids = np.random.default_rng(0).integers(3, base.config.vocab_size, (1, context)).astype(np.int32)
-    runs = {"armt_diagonal": lambda: armt(ids, schedule="diagonal"),
-            "armt_sequential": lambda: armt(ids, schedule="sequential"),
-            "full_attention": lambda: base(ids)}
+    runs = {
+        "armt_diagonal": lambda: armt(ids, schedule="diagonal"),
+        "armt_sequential": lambda: armt(ids, schedule="sequential"),
+        "full_attention": lambda: base(ids),
+    }
     times = {}
     for name, fn in runs.items():
         _, first = _timed(fn)
         _, times[name] = _timed(fn)
         echo(f"  {name:16s} {times[name]:7.2f} s   (first call incl. compile {first:.1f} s)")
-    echo(f"  diagonal vs sequential: x{times['armt_sequential'] / times['armt_diagonal']:.2f}; "
-         f"ARMT diagonal vs full attention: x{times['full_attention'] / times['armt_diagonal']:.2f}")
+    echo(
+        f"  diagonal vs sequential: x{times['armt_sequential'] / times['armt_diagonal']:.2f}; "
+        f"ARMT diagonal vs full attention: x{times['full_attention'] / times['armt_diagonal']:.2f}"
+    )
     return times
 
 
-def decode_speed(base: Any, prompt_tokens: int, new_tokens: int, echo: Callable[[str], None],
-                 **cache: Any) -> dict[str, Any]:
+def decode_speed(
+    base: Any, prompt_tokens: int, new_tokens: int, echo: Callable[[str], None], **cache: Any
+) -> dict[str, Any]:
     """Prefill `prompt_tokens` and decode `new_tokens` greedily; tokens/s of each phase."""
     ids = np.random.default_rng(1).integers(3, base.config.vocab_size, (1, prompt_tokens)).astype(np.int32)
     generate(base, ids, new_tokens, eos_id=-1, **cache)  # compile and warm up the same run
     t: dict[str, float] = {}
     out = generate(base, ids, new_tokens, eos_id=-1, timings=t, **cache)
-    result = {"prefill_tokens_per_s": prompt_tokens / t["prefill_s"],
-              "decode_tokens_per_s": t["decode_steps"] / t["decode_s"],
-              "generated_ids": out[0, prompt_tokens:].tolist()}
+    result = {
+        "prefill_tokens_per_s": prompt_tokens / t["prefill_s"],
+        "decode_tokens_per_s": t["decode_steps"] / t["decode_s"],
+        "generated_ids": out[0, prompt_tokens:].tolist(),
+    }
     name = cache.get("kv_cache", "dense")
-    echo(f"  {name:5s} cache: prefill {result['prefill_tokens_per_s']:8,.0f} tok/s, "
-         f"decode {result['decode_tokens_per_s']:6.1f} tok/s; ids {result['generated_ids'][:12]}...")
+    echo(
+        f"  {name:5s} cache: prefill {result['prefill_tokens_per_s']:8,.0f} tok/s, "
+        f"decode {result['decode_tokens_per_s']:6.1f} tok/s; ids {result['generated_ids'][:12]}..."
+    )
     return result
 
 
-REAL_FACT = ("Note from the maintainers: the release manager of this library is Clara Vossberg, and the "
-             "release code name is Blue Heron.")
+REAL_FACT = (
+    "Note from the maintainers: the release manager of this library is Clara Vossberg, and the "
+    "release code name is Blue Heron."
+)
 REAL_QUESTION = "Who is the release manager of this library?"
 REAL_ANSWER = "Clara Vossberg"
 # PQ calibration for the real model, on the corpus's calibration split: short, as `jaxlongctx calibrate`'s
@@ -134,7 +155,9 @@ def real_document_messages(tokenizer: Any, doc_tokens: int) -> list[dict[str, st
     return [{"role": "user", "content": f"{document}\n\nAnswer from the text above. {REAL_QUESTION}"}]
 
 
-def real_model_answers(model: Any, doc_tokens: int, new_tokens: int, echo: Callable[[str], None]) -> dict[str, Any]:
+def real_model_answers(
+    model: Any, doc_tokens: int, new_tokens: int, echo: Callable[[str], None]
+) -> dict[str, Any]:
     """SmolLM2 answers `REAL_QUESTION` about a long corpus document with the dense and the PQ cache
     (codebooks calibrated here on the corpus's calibration split): answer, seconds, cache bytes."""
     from jaxlongctx.data.tokenizer import encode_corpus
@@ -142,18 +165,38 @@ def real_model_answers(model: Any, doc_tokens: int, new_tokens: int, echo: Calla
     from jaxlongctx.pq_generate import cache_stats
 
     tok = model.tokenizer
-    ids = np.asarray(tok.apply_chat_template(real_document_messages(tok, doc_tokens), add_generation_prompt=True,
-                                             tokenize=True), np.int32)[None]
+    ids = np.asarray(
+        tok.apply_chat_template(
+            real_document_messages(tok, doc_tokens), add_generation_prompt=True, tokenize=True
+        ),
+        np.int32,
+    )[None]
     prompt = ids.shape[1]
-    echo(f"  document: {prompt:,} prompt tokens of the corpus's validation split, the fact planted in the middle")
+    echo(
+        f"  document: {prompt:,} prompt tokens of the corpus's validation split, the fact planted in the middle"
+    )
     echo(f"  question: {REAL_QUESTION!r}   (planted answer: {REAL_ANSWER!r})")
     t0 = time.perf_counter()
-    codebooks = calibrate(model, encode_corpus("calibration", tok), ds=2, bits=8, iters=REAL_CALIBRATION_ITERS,
-                          max_tokens=REAL_CALIBRATION_TOKENS, points_per_centroid=64, tol=1e-3)
-    result: dict[str, Any] = {"prompt_tokens": prompt, "question": REAL_QUESTION, "planted_answer": REAL_ANSWER,
-                              "pq_calibration_s": time.perf_counter() - t0}
-    echo(f"  PQ codebooks calibrated on {REAL_CALIBRATION_TOKENS:,} calibration-split tokens in "
-         f"{result['pq_calibration_s']:.1f} s (ds 2, 8 bits: 4 bits per cached number)")
+    codebooks = calibrate(
+        model,
+        encode_corpus("calibration", tok),
+        ds=2,
+        bits=8,
+        iters=REAL_CALIBRATION_ITERS,
+        max_tokens=REAL_CALIBRATION_TOKENS,
+        points_per_centroid=64,
+        tol=1e-3,
+    )
+    result: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "question": REAL_QUESTION,
+        "planted_answer": REAL_ANSWER,
+        "pq_calibration_s": time.perf_counter() - t0,
+    }
+    echo(
+        f"  PQ codebooks calibrated on {REAL_CALIBRATION_TOKENS:,} calibration-split tokens in "
+        f"{result['pq_calibration_s']:.1f} s (ds 2, 8 bits: 4 bits per cached number)"
+    )
     for cache in ({"kv_cache": "dense"}, {"kv_cache": "pq", "codebooks": codebooks}):
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -163,18 +206,35 @@ def real_model_answers(model: Any, doc_tokens: int, new_tokens: int, echo: Calla
         answer = tok.decode(new).strip()
         memory = cache_stats(model, cache, prompt + new_tokens)["total_bytes"]
         name = cache["kv_cache"]
-        result[name] = {"answer": answer, "correct": REAL_ANSWER in answer, "seconds": seconds,
-                        "prefill_s": timings["prefill_s"], "decode_tokens_per_s": timings["decode_steps"] / timings["decode_s"],
-                        "cache_bytes": memory}
+        result[name] = {
+            "answer": answer,
+            "correct": REAL_ANSWER in answer,
+            "seconds": seconds,
+            "prefill_s": timings["prefill_s"],
+            "decode_tokens_per_s": timings["decode_steps"] / timings["decode_s"],
+            "cache_bytes": memory,
+        }
         echo(f"  {name:5s} cache: {answer!r}")
-        echo(f"               {seconds:5.1f} s incl. compile (prefill {timings['prefill_s']:.1f} s, decode "
-             f"{result[name]['decode_tokens_per_s']:.1f} tok/s); KV cache {_mib(memory)}")
+        echo(
+            f"               {seconds:5.1f} s incl. compile (prefill {timings['prefill_s']:.1f} s, decode "
+            f"{result[name]['decode_tokens_per_s']:.1f} tok/s); KV cache {_mib(memory)}"
+        )
     return result
 
 
-def run_demo(*, base: Any = None, armt: Any = None, codebooks: Any = None, context: int = 16384,
-             samples: int = 4, facts: int = 4, prompt_tokens: int = 8192, new_tokens: int = 32,
-             real_doc_tokens: int = 2500, echo: Callable[[str], None] = print) -> dict[str, Any]:
+def run_demo(
+    *,
+    base: Any = None,
+    armt: Any = None,
+    codebooks: Any = None,
+    context: int = 16384,
+    samples: int = 4,
+    facts: int = 4,
+    prompt_tokens: int = 8192,
+    new_tokens: int = 32,
+    real_doc_tokens: int = 2500,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Run the demo parts (see module docstring; `real_doc_tokens=0` leaves out the real model's);
     prints and returns the measurements."""
     from jaxlongctx.armt import ARMTModel
@@ -190,9 +250,11 @@ def run_demo(*, base: Any = None, armt: Any = None, codebooks: Any = None, conte
     if codebooks is None and BASE_CODEBOOKS.exists():
         codebooks = load_codebooks_for(base, BASE_CODEBOOKS)
     cfg, a = base.config, armt.armt
-    echo(f"models: {cfg.num_layers}-layer Llama (d {cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
-         f"vocab {cfg.vocab_size}, trained context {cfg.max_position_embeddings}); ARMT segment {a.segment_size}, "
-         f"{a.num_mem_tokens} memory tokens, d_mem {a.d_mem}; backend {jax.default_backend()}")
+    echo(
+        f"models: {cfg.num_layers}-layer Llama (d {cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
+        f"vocab {cfg.vocab_size}, trained context {cfg.max_position_embeddings}); ARMT segment {a.segment_size}, "
+        f"{a.num_mem_tokens} memory tokens, d_mem {a.d_mem}; backend {jax.default_backend()}"
+    )
     result: dict[str, Any] = {"context": context}
 
     echo(f"\n[1] haystack retrieval at {context:,} tokens, {facts} facts (ARMT, diagonal schedule)")
@@ -228,7 +290,9 @@ def real_model_part(doc_tokens: int, new_tokens: int, echo: Callable[[str], None
     from jaxlongctx.loading import load
     from jaxlongctx.pretrained import PretrainedMissingError, smollm2_gguf
 
-    echo(f"\n[5] a real model: SmolLM2-135M-Instruct answers a question about a ~{doc_tokens:,}-token document")
+    echo(
+        f"\n[5] a real model: SmolLM2-135M-Instruct answers a question about a ~{doc_tokens:,}-token document"
+    )
     try:
         path = smollm2_gguf()
     except PretrainedMissingError as e:

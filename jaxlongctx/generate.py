@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache, partial
-from typing import Any, Callable
+from functools import cache, partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,21 +47,33 @@ def _prefill(model: Model, capacity: int, params, ids, mask):
     return logits, DenseCache.from_prefill(k, v, mask, capacity)
 
 
-def choose_next(sampler: tuple, eos: tuple[int, ...], pad_id: int, logits: jnp.ndarray, key: jax.Array,
-                done: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+def choose_next(
+    sampler: tuple, eos: tuple[int, ...], pad_id: int, logits: jnp.ndarray, key: jax.Array, done: jnp.ndarray
+) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Next ids `[B]` from logits `[B, V]`; stopped rows emit `pad_id`; returns (ids, updated done)."""
     tok = jnp.where(done, pad_id, select_next(logits, key, *sampler))
     return tok, (done | jnp.isin(tok, jnp.asarray(eos, jnp.int32))) if eos else done
 
 
-@lru_cache(maxsize=None)
+@cache
 def _final_choice(sampler: tuple, eos: tuple[int, ...], pad_id: int) -> Callable:
     """Jitted `choose_next` for these static settings."""
     return jax.jit(partial(choose_next, sampler, eos, pad_id))
 
 
-def _decode_step(model: Model, sampler: tuple, eos: tuple[int, ...], pad_id: int,
-                 params, cache: DenseCache, logits, key, done, positions, slot):
+def _decode_step(
+    model: Model,
+    sampler: tuple,
+    eos: tuple[int, ...],
+    pad_id: int,
+    params,
+    cache: DenseCache,
+    logits,
+    key,
+    done,
+    positions,
+    slot,
+):
     """Choose the next token from `logits`, then run it through the model at cache `slot`."""
     tok, done = choose_next(sampler, eos, pad_id, logits, key, done)
     module = model.merge(params)
@@ -82,8 +95,19 @@ class Request:
     seed: int
 
     @classmethod
-    def parse(cls, config: ModelConfig, ids: Any, max_new_tokens: int, *, temperature: float, top_k: int | None,
-              top_p: float | None, seed: int, eos_id: int | list[int] | None, attention_mask: Any) -> Request:
+    def parse(
+        cls,
+        config: ModelConfig,
+        ids: Any,
+        max_new_tokens: int,
+        *,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        seed: int,
+        eos_id: int | list[int] | None,
+        attention_mask: Any,
+    ) -> Request:
         """Check every argument (clear ValueErrors) and resolve eos / padding ids."""
         ids = check_ids(ids, config.vocab_size)
         mask = check_mask(attention_mask, ids)
@@ -107,8 +131,17 @@ class Request:
         ids[:, :t], mask[:, :t] = self.ids, self.mask
         return ids, mask
 
-    def decode(self, logits: jnp.ndarray, state: Any, step: Callable, *, progress: bool = False,
-               desc: str = "decode", timings: dict | None = None, stream: Callable | None = None) -> np.ndarray:
+    def decode(
+        self,
+        logits: jnp.ndarray,
+        state: Any,
+        step: Callable,
+        *,
+        progress: bool = False,
+        desc: str = "decode",
+        timings: dict | None = None,
+        stream: Callable | None = None,
+    ) -> np.ndarray:
         """Run `step(state, logits, key, done, i) -> (ids, done, logits, state)` up to `max_new_tokens`
         times (stopping early once every row is done); returns ids `[B, T + new]`. `timings`, if
         given, receives `decode_s` and `decode_steps` (from ready logits to the last token);
@@ -136,12 +169,25 @@ class Request:
         return np.concatenate([self.ids, new], axis=1)
 
 
-def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             eos_id: int | list[int] | None = None, attention_mask: Any = None,
-             progress: bool = False, kv_cache: str = "dense", codebooks: Any = None, pq_window: int = 128,
-             keep_prompt_tail_exact: bool = False, timings: dict | None = None,
-             stream: Callable[[np.ndarray], Any] | None = None) -> np.ndarray:
+def generate(
+    model: Any,
+    ids: Any,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | list[int] | None = None,
+    attention_mask: Any = None,
+    progress: bool = False,
+    kv_cache: str = "dense",
+    codebooks: Any = None,
+    pq_window: int = 128,
+    keep_prompt_tail_exact: bool = False,
+    timings: dict | None = None,
+    stream: Callable[[np.ndarray], Any] | None = None,
+) -> np.ndarray:
     """Generate `max_new_tokens` after `ids [B, T]`; returns ids `[B, T + new]` (greedy by default).
 
     Rows stop independently at `eos_id` (default: the config's eos) and are then filled with it.
@@ -152,20 +198,52 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
     if kv_cache != "dense":  # checks kv_cache, the model (no ARMT) and the codebooks
         from jaxlongctx.pq_generate import generate_pq
 
-        return generate_pq(model, ids, max_new_tokens, kv_cache=kv_cache, codebooks=codebooks, window=pq_window,
-                           keep_prompt_tail_exact=keep_prompt_tail_exact, temperature=temperature, top_k=top_k,
-                           top_p=top_p, seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress,
-                           timings=timings, stream=stream)
+        return generate_pq(
+            model,
+            ids,
+            max_new_tokens,
+            kv_cache=kv_cache,
+            codebooks=codebooks,
+            window=pq_window,
+            keep_prompt_tail_exact=keep_prompt_tail_exact,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_id=eos_id,
+            attention_mask=attention_mask,
+            progress=progress,
+            timings=timings,
+            stream=stream,
+        )
     if hasattr(model, "generate_ids"):  # models with their own decoding (e.g. ARMT) plug in here
         if stream is not None:
             raise ValueError("stream= is not supported for ARMT models; generate and decode the ids instead")
-        return model.generate_ids(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  seed=seed, eos_id=eos_id, attention_mask=attention_mask, progress=progress,
-                                  timings=timings)
+        return model.generate_ids(
+            ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_id=eos_id,
+            attention_mask=attention_mask,
+            progress=progress,
+            timings=timings,
+        )
     if not isinstance(model, Model):
         raise ValueError(f"generate() needs a jaxlongctx Model, got {type(model).__name__}")
-    req = Request.parse(model.config, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        seed=seed, eos_id=eos_id, attention_mask=attention_mask)
+    req = Request.parse(
+        model.config,
+        ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_id=eos_id,
+        attention_mask=attention_mask,
+    )
     model.check_length(req.ids.shape[1] + req.max_new_tokens)
     ids_p, mask_p = req.padded_prompt()
     prompt_len = ids_p.shape[1]
@@ -174,7 +252,8 @@ def generate(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 
 
     t0 = time.perf_counter()
     logits, cache = jax.block_until_ready(
-        prefill(model.params, put_batch(ids_p, model.mesh), put_batch(mask_p, model.mesh)))
+        prefill(model.params, put_batch(ids_p, model.mesh), put_batch(mask_p, model.mesh))
+    )
     if timings is not None:
         timings["prefill_s"] = time.perf_counter() - t0
     positions = jnp.asarray(req.mask.sum(axis=1), jnp.int32)
@@ -191,10 +270,14 @@ MIN_TEMPERATURE = 1e-3
 
 def check_sampler(temperature: float, top_k: int | None, top_p: float | None, vocab: int) -> tuple:
     """Validate sampling options; returns them as a hashable tuple."""
-    if (not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
-            or not (temperature == 0 or temperature >= MIN_TEMPERATURE)):
-        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
-                         f"got {temperature!r}")
+    if (
+        not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or not (temperature == 0 or temperature >= MIN_TEMPERATURE)
+    ):
+        raise ValueError(
+            f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature!r}"
+        )
     if top_k is not None and not (isinstance(top_k, int) and 0 < top_k <= vocab):
         raise ValueError(f"top_k must be an integer in [1, {vocab}], got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
@@ -207,6 +290,8 @@ def _compiled(model: Model, capacity: int, sampler: tuple, eos: tuple, pad_id: i
     cache = model.__dict__.setdefault("_generate_fns", {})
     key = (capacity, sampler, eos, pad_id)
     if key not in cache:
-        cache[key] = (jax.jit(partial(_prefill, model, capacity)),
-                      jax.jit(partial(_decode_step, model, sampler, eos, pad_id), donate_argnums=(1,)))
+        cache[key] = (
+            jax.jit(partial(_prefill, model, capacity)),
+            jax.jit(partial(_decode_step, model, sampler, eos, pad_id), donate_argnums=(1,)),
+        )
     return cache[key]

@@ -22,7 +22,9 @@ KV_KINDS = ("dense", "pq", "int4", "int2")
 DEFAULT_GROUP = 128  # KIVI group: int4 -> 4.25 bits/element, int2 -> 2.25 (PQ ds2/8 bit: 4, ds4: 2)
 
 
-def kv_transform(kind: str, codebooks: Codebooks | None = None, group: int = DEFAULT_GROUP) -> KVTransform | None:
+def kv_transform(
+    kind: str, codebooks: Codebooks | None = None, group: int = DEFAULT_GROUP
+) -> KVTransform | None:
     """The (k, v, layer) -> (k, v) fake quantization of `kind` for k/v `[B, T, K, D]` (None for dense)."""
     if kind not in KV_KINDS:
         raise ValueError(f"kv kind must be one of {KV_KINDS}, got {kind!r}")
@@ -58,14 +60,23 @@ def bits_per_element(kind: str, codebooks: Codebooks | None = None, group: int =
     return effective_bits(int(kind[3:]), group)
 
 
-def kv_perplexity(model: Model, tokens: Any, context: int, kind: str, codebooks: Codebooks | None = None,
-                  group: int = DEFAULT_GROUP, batch_size: int = 8) -> dict[str, Any]:
+def kv_perplexity(
+    model: Model,
+    tokens: Any,
+    context: int,
+    kind: str,
+    codebooks: Codebooks | None = None,
+    group: int = DEFAULT_GROUP,
+    batch_size: int = 8,
+) -> dict[str, Any]:
     """Perplexity of `model` on `tokens` (windows of `context`) with K/V fake-quantized by `kind`."""
     if kind == "pq":
         from jaxlongctx.kvcache.calibrate import check_codebooks
 
         check_codebooks(model, codebooks)
-    result = perplexity(model.module, np.asarray(tokens), context, batch_size, kv_transform(kind, codebooks, group))
+    result = perplexity(
+        model.module, np.asarray(tokens), context, batch_size, kv_transform(kind, codebooks, group)
+    )
     out: dict[str, Any] = {"kv": kind, "bits_per_element": bits_per_element(kind, codebooks, group), **result}
     if kind == "pq":
         out.update(ds=codebooks.ds, bits=codebooks.bits, granularity=codebooks.granularity)
@@ -79,8 +90,12 @@ def add_eval_kv_arguments(parser: argparse.ArgumentParser) -> None:
     """The K/V options of `jaxlongctx eval-ppl` (added next to train.evaluate.add_eval_ppl_arguments)."""
     parser.add_argument("--kv", choices=KV_KINDS, default="dense", help="fake-quantize every token's K/V")
     parser.add_argument("--codebooks", help="codebooks directory for --kv pq (from `jaxlongctx calibrate`)")
-    parser.add_argument("--kivi-group", type=int, default=DEFAULT_GROUP,
-                        help=f"group size of --kv int4/int2 (default {DEFAULT_GROUP})")
+    parser.add_argument(
+        "--kivi-group",
+        type=int,
+        default=DEFAULT_GROUP,
+        help=f"group size of --kv int4/int2 (default {DEFAULT_GROUP})",
+    )
 
 
 def run_eval_kv(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,8 +116,12 @@ def run_eval_kv(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_tokens is not None:
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-        tokens = tokens[:args.max_tokens]
-    result = {"ckpt": str(args.ckpt), "split": args.split, "context": args.context,
-              **kv_perplexity(model, tokens, args.context, args.kv, codebooks, args.kivi_group, args.batch_size)}
+        tokens = tokens[: args.max_tokens]
+    result = {
+        "ckpt": str(args.ckpt),
+        "split": args.split,
+        "context": args.context,
+        **kv_perplexity(model, tokens, args.context, args.kv, codebooks, args.kivi_group, args.batch_size),
+    }
     print(json.dumps(result))
     return result

@@ -39,9 +39,10 @@ def load_tokenizer(directory: str | Path) -> Any:
 
     try:
         return ChatTokenizer.from_directory(directory)
-    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
-        raise CheckpointError(f"{Path(directory) / 'tokenizer.json'}: not a readable tokenizer "
-                              f"({type(e).__name__}: {e})") from None
+    except Exception as e:
+        raise CheckpointError(
+            f"{Path(directory) / 'tokenizer.json'}: not a readable tokenizer ({type(e).__name__}: {e})"
+        ) from None
 
 
 def _restore(ckpt: Path, dtype: jnp.dtype | None, mesh: Mesh | None) -> Llama:
@@ -63,14 +64,14 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> An
     path = Path(path)
     target = parse_dtype(dtype)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        from convert.gguf_llama import load_gguf  # noqa: PLC0415
+        from convert.gguf_llama import load_gguf
 
         return load_gguf(path, target, mesh)
     if not path.is_dir():
         raise ValueError(f"{path}: no such model directory (or .gguf file)")
     meta = read_metadata(path) if declares_checkpoint(path) else {}  # ours: its errors, not the HF reader's
     if "armt" in meta:
-        from jaxlongctx.armt import ARMTModel  # noqa: PLC0415
+        from jaxlongctx.armt import ARMTModel
 
         armt = ARMTModel.load(path, target, mesh)
         armt.tokenizer = armt.base.tokenizer = load_tokenizer(path)
@@ -79,12 +80,13 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> An
     if meta:
         module = _restore(path, target, mesh)
     elif (path / "config.json").exists():
-        from convert.hf_llama import convert_hf_to_ckpt  # noqa: PLC0415
+        from convert.hf_llama import convert_hf_to_ckpt
 
         with tempfile.TemporaryDirectory(prefix="jaxlongctx-convert-") as tmp:
             ckpt = convert_hf_to_ckpt(path, Path(tmp) / "ckpt", progress=False)
             module = _restore(ckpt, target, mesh)
     else:
-        raise CheckpointError(f"{path}: neither a jaxlongctx checkpoint nor a HF model directory (no config.json)")
+        raise CheckpointError(
+            f"{path}: neither a jaxlongctx checkpoint nor a HF model directory (no config.json)"
+        )
     return Model(module, tokenizer=load_tokenizer(path))
-

@@ -25,8 +25,8 @@ import secrets
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 MARKER = ".jaxlongctx"
 _TAG = "jaxlongctx"
@@ -79,15 +79,19 @@ def is_ours(path: Path) -> bool:
             meta = json.loads(f.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
-        if isinstance(meta, dict) and (str(meta.get("format", "")).startswith("jaxlongctx")
-                                       or (name == "codebooks.json" and "format_version" in meta)
-                                       or (name == "trainer.json" and "total_steps" in meta)
-                                       or (name == "summary.json" and "model_config" in meta)):
+        if isinstance(meta, dict) and (
+            str(meta.get("format", "")).startswith("jaxlongctx")
+            or (name == "codebooks.json" and "format_version" in meta)
+            or (name == "trainer.json" and "total_steps" in meta)
+            or (name == "summary.json" and "model_config" in meta)
+        ):
             return True
     return False
 
 
-def check_output(out: str | Path, *, overwrite: bool = False, inputs: Iterable[str | Path | None] = ()) -> Path:
+def check_output(
+    out: str | Path, *, overwrite: bool = False, inputs: Iterable[str | Path | None] = ()
+) -> Path:
     """Check, before any long work, that `out` may be written; returns it as an absolute path.
 
     Refuses an output that is or contains an input, an existing path without `overwrite`, an existing
@@ -107,8 +111,10 @@ def check_output(out: str | Path, *, overwrite: bool = False, inputs: Iterable[s
         if not overwrite:
             raise OutputError(f"{out}: output already exists (pass --overwrite to replace it)")
         if not is_ours(out):
-            raise OutputError(f"{out}: exists and was not written by jaxlongctx (no {MARKER} marker); "
-                              "refusing to replace it, even with --overwrite")
+            raise OutputError(
+                f"{out}: exists and was not written by jaxlongctx (no {MARKER} marker); "
+                "refusing to replace it, even with --overwrite"
+            )
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -126,8 +132,10 @@ def check_free_space(out: str | Path, needed_bytes: int) -> None:
         parent = parent.parent
     free = shutil.disk_usage(parent).free
     if free < needed_bytes * 1.05:
-        raise OutputError(f"{out}: needs about {needed_bytes / 2**20:,.0f} MiB but only "
-                          f"{free / 2**20:,.0f} MiB are free on its file system")
+        raise OutputError(
+            f"{out}: needs about {needed_bytes / 2**20:,.0f} MiB but only "
+            f"{free / 2**20:,.0f} MiB are free on its file system"
+        )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -197,8 +205,13 @@ def _swap_in(tmp: Path, out: Path, overwrite: bool, inputs: Iterable[str | Path 
 
 
 @contextlib.contextmanager
-def atomic_directory(out: str | Path, *, overwrite: bool = False, kind: str = "checkpoint",
-                     inputs: Iterable[str | Path | None] = ()) -> Iterator[Path]:
+def atomic_directory(
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    kind: str = "checkpoint",
+    inputs: Iterable[str | Path | None] = (),
+) -> Iterator[Path]:
     """Yield an empty temporary sibling of `out` to write into; when the block succeeds, mark it as
     ours and swap it in for `out` (see the module docstring for the rules); on error delete it."""
     inputs = tuple(inputs)
@@ -216,7 +229,9 @@ def atomic_directory(out: str | Path, *, overwrite: bool = False, kind: str = "c
             _swap_in(tmp, out, overwrite, inputs)
         except OSError as e:
             if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                raise OutputError(f"{out}: appeared while the output was being written; left it untouched") from None
+                raise OutputError(
+                    f"{out}: appeared while the output was being written; left it untouched"
+                ) from None
             raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

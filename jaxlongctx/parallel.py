@@ -90,10 +90,16 @@ def make_mesh(tp: int = 1, dp: int = 1, devices: list[Any] | None = None) -> Mes
         raise ValueError(f"tp and dp must be >= 1, got tp={tp}, dp={dp}")
     devices = list(jax.devices() if devices is None else devices)
     if dp * tp > len(devices):
-        raise ValueError(f"a dp={dp} x tp={tp} mesh needs {dp * tp} devices, but only {len(devices)} are "
-                         "available (on CPU, fake more with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    return jax.make_mesh((dp, tp), (DATA, TENSOR), axis_types=(AxisType.Explicit, AxisType.Explicit),
-                         devices=devices[:dp * tp])
+        raise ValueError(
+            f"a dp={dp} x tp={tp} mesh needs {dp * tp} devices, but only {len(devices)} are "
+            "available (on CPU, fake more with XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+        )
+    return jax.make_mesh(
+        (dp, tp),
+        (DATA, TENSOR),
+        axis_types=(AxisType.Explicit, AxisType.Explicit),
+        devices=devices[: dp * tp],
+    )
 
 
 def tensor_size(mesh: Mesh) -> int:
@@ -101,8 +107,9 @@ def tensor_size(mesh: Mesh) -> int:
     return mesh.shape[TENSOR] * dict(mesh.shape).get(KV_REPLICA, 1)
 
 
-def logical_spec(axes: tuple[str | None, ...], rows: str | None = LOGICAL_AXES["batch"],
-                 mesh: Mesh | None = None) -> P:
+def logical_spec(
+    axes: tuple[str | None, ...], rows: str | None = LOGICAL_AXES["batch"], mesh: Mesh | None = None
+) -> P:
     """The `PartitionSpec` of logical axes under `LOGICAL_AXES`, the batch axis mapped to `rows`
     (e.g. None where dp does not divide the batch). On a `mesh` with a `kv_rep` axis, tensor-parallel
     axes other than the kv heads are split over (`tp`, `kv_rep`)."""
@@ -129,8 +136,10 @@ def check_divisible(config: ModelConfig, mesh: Mesh) -> None:
             raise ValueError(f"tensor parallelism tp={tp} needs {name} divisible by {tp}, got {size}")
     kv = config.num_kv_heads
     if kv % tp and tp % kv:
-        raise ValueError(f"tensor parallelism tp={tp} needs num_kv_heads={kv} to divide tp (each kv head then "
-                         f"replicated on tp / num_kv_heads devices) or to be divisible by it")
+        raise ValueError(
+            f"tensor parallelism tp={tp} needs num_kv_heads={kv} to divide tp (each kv head then "
+            f"replicated on tp / num_kv_heads devices) or to be divisible by it"
+        )
 
 
 def fit_mesh(mesh: Mesh, config: ModelConfig) -> Mesh:
@@ -153,7 +162,7 @@ def _vocab_split(config: ModelConfig, mesh: Mesh) -> bool:
 def param_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, Any]:
     """`NamedSharding`s matching `nnx.to_pure_dict` of a `Llama` state with this config (on
     `fit_mesh(mesh, config)`)."""
-    from jaxlongctx.checkpoint import abstract_model  # noqa: PLC0415 (the model imports this module)
+    from jaxlongctx.checkpoint import abstract_model
 
     mesh = fit_mesh(mesh, config)
     pure = nnx.to_pure_dict(nnx.state(abstract_model(config, jnp.float32)))
@@ -165,7 +174,9 @@ def param_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, Any]:
             raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no entry in PARAM_AXES")
         axes = PARAM_AXES[name]
         if len(axes) != leaf.ndim:
-            raise ValueError(f"parameter {jax.tree_util.keystr(path)} has rank {leaf.ndim}, PARAM_AXES says {axes}")
+            raise ValueError(
+                f"parameter {jax.tree_util.keystr(path)} has rank {leaf.ndim}, PARAM_AXES says {axes}"
+            )
         if not split_vocab:
             axes = tuple(None if a == "vocab" else a for a in axes)
         return NamedSharding(mesh, logical_spec(axes, mesh=mesh))
@@ -183,7 +194,7 @@ def put(x: Any, sharding: NamedSharding) -> jax.Array:
 
 def shard_model(model: Any, mesh: Mesh) -> Any:
     """A copy of `model` (a `Model`) with every parameter placed in its shard on `mesh`."""
-    from jaxlongctx.model.model import Model  # noqa: PLC0415
+    from jaxlongctx.model.model import Model
 
     graphdef, state = nnx.split(model.module)
     shardings = param_shardings(model.config, mesh)
@@ -210,7 +221,9 @@ def memory_state_shardings(mesh: Mesh, batch: int) -> dict[str, NamedSharding]:
     """Shardings of the ARMT memory state `{"A": ..., "z": ...}` for `batch` rows (split over dp when
     it divides the batch) with A's value columns over tp."""
     rows = batch_sharding(mesh, (batch,)).spec[0]
-    return {name: NamedSharding(mesh, logical_spec(axes, rows, mesh)) for name, axes in MEMORY_STATE_AXES.items()}
+    return {
+        name: NamedSharding(mesh, logical_spec(axes, rows, mesh)) for name, axes in MEMORY_STATE_AXES.items()
+    }
 
 
 def mesh_of(tree: Any) -> Mesh | None:
@@ -307,33 +320,53 @@ def _kv_axes(q_heads: Any) -> Any:
     return rest[0] if len(rest) == 1 else (rest or None)
 
 
-def sharded_pq_decode_attention(q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_cent: jax.Array,
-                                v_cent: jax.Array, lengths: jax.Array, k_res: jax.Array, v_res: jax.Array,
-                                res_lengths: jax.Array, scale: float, *, backend: str = "auto") -> jax.Array:
+def sharded_pq_decode_attention(
+    q: jax.Array,
+    k_codes: jax.Array,
+    v_codes: jax.Array,
+    k_cent: jax.Array,
+    v_cent: jax.Array,
+    lengths: jax.Array,
+    k_res: jax.Array,
+    v_res: jax.Array,
+    res_lengths: jax.Array,
+    scale: float,
+    *,
+    backend: str = "auto",
+) -> jax.Array:
     """`pallas_kernels.pq_decode_attention` run per shard under `shard_map` when its inputs are on a
     mesh (codes and windows split over kv heads and batch, queries by the matching heads): attention
     is local to a kv-head group, so no communication is needed. Shapes as the kernel; -> `[B, H, D]`."""
-    from pallas_kernels import pq_decode_attention  # noqa: PLC0415 (kernels load only when used)
+    from pallas_kernels import pq_decode_attention
 
     args = (q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths)
-    kernel = lambda *a: pq_decode_attention(*a, scale, backend=backend)  # noqa: E731
+    kernel = lambda *a: pq_decode_attention(*a, scale, backend=backend)
     q_sharding = jax.typeof(q).sharding
     if q_sharding.mesh.empty:
         return kernel(*args)
     specs = tuple(jax.typeof(a).sharding.spec for a in args)
     batch, heads = specs[0][0], specs[0][1]
     kv_heads = _kv_axes(heads)  # a device's query heads all read the kv head(s) it holds
-    expected = {"k_codes": (1, 1, kv_heads), "v_codes": (2, 1, kv_heads), "k_res": (6, 1, kv_heads),
-                "v_res": (7, 1, kv_heads), "lengths": (5, 0, batch), "res_lengths": (8, 0, batch)}
+    expected = {
+        "k_codes": (1, 1, kv_heads),
+        "v_codes": (2, 1, kv_heads),
+        "k_res": (6, 1, kv_heads),
+        "v_res": (7, 1, kv_heads),
+        "lengths": (5, 0, batch),
+        "res_lengths": (8, 0, batch),
+    }
     if k_cent.ndim == 4:
         expected.update({"k_cent": (3, 0, kv_heads), "v_cent": (4, 0, kv_heads)})
     for name, (i, dim, axis) in expected.items():
         if specs[i][dim] != axis:
-            raise ValueError(f"sharded_pq_decode_attention: {name} dim {dim} is sharded {specs[i][dim]!r}, but "
-                             f"q's {'batch' if dim == 0 else 'heads'} need {axis!r}")
+            raise ValueError(
+                f"sharded_pq_decode_attention: {name} dim {dim} is sharded {specs[i][dim]!r}, but "
+                f"q's {'batch' if dim == 0 else 'heads'} need {axis!r}"
+            )
     # check_vma=False: pallas_call outputs carry no varying-axes types; nothing here communicates
-    return jax.shard_map(kernel, mesh=q_sharding.mesh, in_specs=specs, out_specs=P(batch, heads, None),
-                         check_vma=False)(*args)
+    return jax.shard_map(
+        kernel, mesh=q_sharding.mesh, in_specs=specs, out_specs=P(batch, heads, None), check_vma=False
+    )(*args)
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:

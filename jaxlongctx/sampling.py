@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 
 
-def select_next(logits: jnp.ndarray, key: jax.Array, temperature: float, top_k: int | None,
-                top_p: float | None) -> jnp.ndarray:
+def select_next(
+    logits: jnp.ndarray, key: jax.Array, temperature: float, top_k: int | None, top_p: float | None
+) -> jnp.ndarray:
     """Pick next ids `[B]` from float32 logits `[B, V]`; temperature 0 means greedy argmax."""
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)

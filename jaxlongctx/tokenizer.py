@@ -9,8 +9,9 @@ unchanged; it adds `apply_chat_template`, `bos_token`/`eos_token`/`pad_token`, `
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -53,8 +54,9 @@ class ChatTokenizer:
         self.chat_template: str | None = template
         turn_ends = [backend.token_to_id(t) for t in END_OF_TURN_TOKENS]
         eos = backend.token_to_id(self.eos_token) if self.eos_token else None
-        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(
-            int(i) for i in (*stop_ids, eos, *turn_ends) if i is not None))
+        self.stop_ids: tuple[int, ...] = tuple(
+            dict.fromkeys(int(i) for i in (*stop_ids, eos, *turn_ends) if i is not None)
+        )
 
     @classmethod
     def from_directory(cls, directory: str | Path) -> ChatTokenizer | None:
@@ -67,8 +69,11 @@ class ChatTokenizer:
             return None
         eos = _read_json(directory / "generation_config.json").get("eos_token_id")  # an int or a list
         stops = tuple(np.atleast_1d(eos).astype(int).tolist()) if eos is not None else ()
-        return cls(Tokenizer.from_file(str(directory / "tokenizer.json")),
-                   _read_json(directory / "tokenizer_config.json"), stops)
+        return cls(
+            Tokenizer.from_file(str(directory / "tokenizer.json")),
+            _read_json(directory / "tokenizer_config.json"),
+            stops,
+        )
 
     def __getattr__(self, name: str) -> Any:
         if name == "backend":  # not yet set (e.g. while unpickling)
@@ -98,15 +103,27 @@ class ChatTokenizer:
         """Text of token ids."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
-                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
         """The prompt the model's chat template makes of `messages` ([{"role", "content"}, ...]),
         as `transformers` renders it; `tokenize=True` returns its ids (no extra special tokens)."""
         if self.chat_template is None:
-            raise ChatTemplateError("this model's tokenizer has no chat template (tokenizer_config.json "
-                                    "'chat_template' or GGUF 'tokenizer.chat_template')")
-        text = render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           special_tokens=self.special_tokens, **kwargs)
+            raise ChatTemplateError(
+                "this model's tokenizer has no chat template (tokenizer_config.json "
+                "'chat_template' or GGUF 'tokenizer.chat_template')"
+            )
+        text = render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            **kwargs,
+        )
         return self.encode(text, add_special_tokens=False).ids if tokenize else text
 
 
@@ -134,14 +151,14 @@ class TextStream:
         self.ids.append(tok)
         text = self.tokenizer.decode(self.ids)
         if not text.endswith("\ufffd") and len(text) > len(self._shown) and text.startswith(self._shown):
-            self.emit(text[len(self._shown):])
+            self.emit(text[len(self._shown) :])
             self._shown = text
 
     def flush(self) -> None:
         """Emit what is still held back (a partial character at the end of generation)."""
         text = self.text
         if len(text) > len(self._shown) and text.startswith(self._shown):
-            self.emit(text[len(self._shown):])
+            self.emit(text[len(self._shown) :])
             self._shown = text
 
     @property

@@ -37,8 +37,17 @@ def choose_blocks(rows: int, cols: int, depth: int, dtype: jnp.dtype) -> GemmBlo
     return GemmBlocks(bm, bn, bk, num_warps, 3)
 
 
-def _load_tile(ref: Any, layer: jax.Array, row0: jax.Array, rows: int, col0: jax.Array, cols: int, n_rows: int,
-               n_cols: int, transpose: bool) -> jax.Array:
+def _load_tile(
+    ref: Any,
+    layer: jax.Array,
+    row0: jax.Array,
+    rows: int,
+    col0: jax.Array,
+    cols: int,
+    n_rows: int,
+    n_cols: int,
+    transpose: bool,
+) -> jax.Array:
     """Load ref[layer, row0:row0+rows, col0:col0+cols] (zero outside), optionally transposed."""
     if transpose:  # the tile is stored [cols, rows] in memory
         return _load_tile(ref, layer, col0, cols, row0, rows, n_cols, n_rows, False).T
@@ -48,8 +57,20 @@ def _load_tile(ref: Any, layer: jax.Array, row0: jax.Array, rows: int, col0: jax
     return plgpu.load(ref.at[layer, pl.ds(row0, rows), pl.ds(col0, cols)], mask=mask, other=0)
 
 
-def _gemm_kernel(meta_ref: Any, a_ref: Any, b_ref: Any, o_ref: Any, *, blocks: GemmBlocks, trans_a: bool,
-                 trans_b: bool, rows: int, cols: int, depth: int, compute_dtype: jnp.dtype) -> None:
+def _gemm_kernel(
+    meta_ref: Any,
+    a_ref: Any,
+    b_ref: Any,
+    o_ref: Any,
+    *,
+    blocks: GemmBlocks,
+    trans_a: bool,
+    trans_b: bool,
+    rows: int,
+    cols: int,
+    depth: int,
+    compute_dtype: jnp.dtype,
+) -> None:
     """One program: output tile (g, i, j); loops over the contraction in `blocks.depth` steps."""
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     first, num_active = meta_ref[0], meta_ref[1]
@@ -66,16 +87,26 @@ def _gemm_kernel(meta_ref: Any, a_ref: Any, b_ref: Any, o_ref: Any, *, blocks: G
             k0 = s * bk
             a = _load_tile(a_ref, g, i * bm, bm, k0, bk, rows, depth, trans_a)  # [bm, bk]
             b = _load_tile(b_ref, layer, k0, bk, j * bn, bn, depth, cols, trans_b)  # [bk, bn]
-            return acc + jnp.dot(a.astype(compute_dtype), b.astype(compute_dtype),
-                                 preferred_element_type=jnp.float32)
+            return acc + jnp.dot(
+                a.astype(compute_dtype), b.astype(compute_dtype), preferred_element_type=jnp.float32
+            )
 
         acc = jax.lax.fori_loop(0, pl.cdiv(depth, bk), step, jnp.zeros((bm, bn), jnp.float32))
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def grouped_matmul_pallas(a: jax.Array, b: jax.Array, first_layer: jax.Array | int, num_active: jax.Array | int, *,
-                          trans_a: bool = False, trans_b: bool = False, out_dtype: jnp.dtype | None = None,
-                          interpret: bool = False, blocks: GemmBlocks | None = None) -> jax.Array:
+def grouped_matmul_pallas(
+    a: jax.Array,
+    b: jax.Array,
+    first_layer: jax.Array | int,
+    num_active: jax.Array | int,
+    *,
+    trans_a: bool = False,
+    trans_b: bool = False,
+    out_dtype: jnp.dtype | None = None,
+    interpret: bool = False,
+    blocks: GemmBlocks | None = None,
+) -> jax.Array:
     """out[g] = op(a[g]) @ op(b[first_layer + g]) for g < num_active, zero rows otherwise."""
     # a: [G, rows, depth] (or [G, depth, rows] if trans_a); b: [L, depth, cols] (or [L, cols, depth])
     num_groups = a.shape[0]
@@ -86,9 +117,17 @@ def grouped_matmul_pallas(a: jax.Array, b: jax.Array, first_layer: jax.Array | i
     if blocks is None:
         blocks = choose_blocks(rows, cols, depth, compute_dtype)
     meta = jnp.stack([jnp.asarray(first_layer, jnp.int32), jnp.asarray(num_active, jnp.int32)])  # [2]
-    kernel = functools.partial(_gemm_kernel, blocks=blocks, trans_a=trans_a, trans_b=trans_b,
-                               rows=rows, cols=cols, depth=depth, compute_dtype=compute_dtype)
-    whole = lambda x: pl.BlockSpec(x.shape, lambda g, i, j: (0,) * x.ndim)  # noqa: E731 - indexed in-kernel
+    kernel = functools.partial(
+        _gemm_kernel,
+        blocks=blocks,
+        trans_a=trans_a,
+        trans_b=trans_b,
+        rows=rows,
+        cols=cols,
+        depth=depth,
+        compute_dtype=compute_dtype,
+    )
+    whole = lambda x: pl.BlockSpec(x.shape, lambda g, i, j: (0,) * x.ndim)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_groups, rows, cols), out_dtype),

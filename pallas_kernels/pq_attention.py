@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +14,11 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def lookup_tables(q: jax.Array, k_cent: jax.Array, kv_heads: int, group_p: int,
-                  scale: float | jax.Array) -> jax.Array:
+def lookup_tables(
+    q: jax.Array, k_cent: jax.Array, kv_heads: int, group_p: int, scale: float | jax.Array
+) -> jax.Array:
     """LUT [B K Gp M C] fp32: scale * q[b, k*G+g, subspace m] . k_cent[(k,) m, c]; padded rows g >= G are zero."""
-    batch, heads, head_dim = q.shape
+    batch, heads, _head_dim = q.shape
     subspaces, sub_dim = k_cent.shape[-3], k_cent.shape[-1]
     group = heads // kv_heads
     qg = (q.astype(jnp.float32) * scale).reshape(batch, kv_heads, group, subspaces, sub_dim)  # [B K G M ds]
@@ -26,8 +27,9 @@ def lookup_tables(q: jax.Array, k_cent: jax.Array, kv_heads: int, group_p: int,
     return jnp.einsum(spec, qg, k_cent.astype(jnp.float32), precision=_HIGHEST)
 
 
-def _softmax_partial(scores: jax.Array, valid: jax.Array,
-                     values_fn: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array]:
+def _softmax_partial(
+    scores: jax.Array, valid: jax.Array, values_fn: Callable[[jax.Array], jax.Array]
+) -> tuple[jax.Array, jax.Array]:
     """Normalised partial output and log-sum-exp of masked scores [B K G S]; all-masked rows give (0, -inf)."""
     peak = jnp.max(jnp.where(valid, scores, -jnp.inf), axis=-1)  # [B K G]
     peak_safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
@@ -39,21 +41,27 @@ def _softmax_partial(scores: jax.Array, valid: jax.Array,
     return out, jnp.where(seen, peak_safe + jnp.log(total_safe), -jnp.inf)
 
 
-def _window_partials(q: jax.Array, k_res: jax.Array, v_res: jax.Array, res_lengths: jax.Array,
-                     scale: float | jax.Array) -> tuple[jax.Array, jax.Array]:
+def _window_partials(
+    q: jax.Array, k_res: jax.Array, v_res: jax.Array, res_lengths: jax.Array, scale: float | jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Exact attention over the full-precision window: (out [B K G D], lse [B K G]) fp32."""
     batch, heads, head_dim = q.shape
     kv_heads, window = k_res.shape[1], k_res.shape[2]
     qg = q.astype(jnp.float32).reshape(batch, kv_heads, heads // kv_heads, head_dim)  # [B K G D]
     scores = scale * jnp.einsum("bkgd,bkrd->bkgr", qg, k_res.astype(jnp.float32), precision=_HIGHEST)
     valid = (jnp.arange(window)[None, :] < res_lengths[:, None])[:, None, None, :]  # [B 1 1 R]
-    values_fn = lambda p: jnp.einsum("bkgr,bkrd->bkgd", p, v_res.astype(jnp.float32),  # noqa: E731
-                                     precision=_HIGHEST)
+    values_fn = lambda p: jnp.einsum(
+        "bkgr,bkrd->bkgd",
+        p,
+        v_res.astype(jnp.float32),
+        precision=_HIGHEST,
+    )
     return _softmax_partial(scores, valid, values_fn)
 
 
-def _coded_partials_xla(lut: jax.Array, k_codes: jax.Array, v_codes: jax.Array, v_cent: jax.Array,
-                        lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _coded_partials_xla(
+    lut: jax.Array, k_codes: jax.Array, v_codes: jax.Array, v_cent: jax.Array, lengths: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Coded tokens without dequantizing keys: LUT gather for scores, centroid gather for values."""
     batch, kv_heads, group, subspaces, centroids = lut.shape
     capacity = k_codes.shape[2]
@@ -71,7 +79,7 @@ def _coded_partials_xla(lut: jax.Array, k_codes: jax.Array, v_codes: jax.Array, 
     cent = jnp.broadcast_to(cent, (1, kv_heads, *cent.shape[2:]))
     values = jnp.take_along_axis(cent, v_idx, axis=2, mode="promise_in_bounds")  # [B K T*M ds]
     values = values.reshape(batch, kv_heads, capacity, subspaces * sub_dim)  # [B K T D]
-    values_fn = lambda p: jnp.einsum("bkgt,bktd->bkgd", p, values, precision=_HIGHEST)  # noqa: E731
+    values_fn = lambda p: jnp.einsum("bkgt,bktd->bkgd", p, values, precision=_HIGHEST)
     return _softmax_partial(scores, valid, values_fn)
 
 
@@ -85,9 +93,19 @@ def merge_partials(outs: jax.Array, lses: jax.Array) -> jax.Array:
     return jnp.einsum("bksg,bksgd->bkgd", weights, outs, precision=_HIGHEST)
 
 
-def _check_inputs(q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_cent: jax.Array, v_cent: jax.Array,
-                  lengths: jax.Array, k_res: jax.Array, v_res: jax.Array, res_lengths: jax.Array) -> None:
+def _check_inputs(
+    q: jax.Array,
+    k_codes: jax.Array,
+    v_codes: jax.Array,
+    k_cent: jax.Array,
+    v_cent: jax.Array,
+    lengths: jax.Array,
+    k_res: jax.Array,
+    v_res: jax.Array,
+    res_lengths: jax.Array,
+) -> None:
     """Raise ValueError naming the tensor for any shape or dtype that does not fit."""
+
     def fail(msg: str):
         raise ValueError(f"pq_decode_attention: {msg}")
 
@@ -108,14 +126,23 @@ def _check_inputs(q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_cent: 
         fail(f"head dim D={head_dim} must be a multiple of the number of subspaces M={subspaces}")
     sub_dim = head_dim // subspaces
     for name, cent in (("k_cent", k_cent), ("v_cent", v_cent)):
-        ok_shape = cent.ndim in (3, 4) and cent.shape[-3] == subspaces and cent.shape[-1] == sub_dim and (
-            cent.ndim == 3 or cent.shape[0] == kv_heads) and 0 < cent.shape[-2] <= 256
+        ok_shape = (
+            cent.ndim in (3, 4)
+            and cent.shape[-3] == subspaces
+            and cent.shape[-1] == sub_dim
+            and (cent.ndim == 3 or cent.shape[0] == kv_heads)
+            and 0 < cent.shape[-2] <= 256
+        )
         if not ok_shape:
-            fail(f"{name} must be [M={subspaces}, C<=256, ds={sub_dim}] or [K={kv_heads}, M, C, ds], got {cent.shape}")
+            fail(
+                f"{name} must be [M={subspaces}, C<=256, ds={sub_dim}] or [K={kv_heads}, M, C, ds], got {cent.shape}"
+            )
         if jnp.dtype(cent.dtype) not in _FLOAT_DTYPES:
             fail(f"{name} must be float32 or bfloat16, got {cent.dtype}")
     if k_cent.shape[-2] != v_cent.shape[-2]:
-        fail(f"k_cent and v_cent must have the same number of centroids, got {k_cent.shape} and {v_cent.shape}")
+        fail(
+            f"k_cent and v_cent must have the same number of centroids, got {k_cent.shape} and {v_cent.shape}"
+        )
     if jnp.dtype(q.dtype) not in _FLOAT_DTYPES:
         fail(f"q must be float32 or bfloat16, got {q.dtype}")
     if k_res.ndim != 4 or k_res.shape[:2] != (batch, kv_heads) or k_res.shape[3] != head_dim:
@@ -134,10 +161,20 @@ def _check_pallas_shapes(subspaces: int, sub_dim: int) -> None:
             raise ValueError(f"pq_decode_attention: the pallas backend needs a power-of-two {name}, got {n}")
 
 
-def pq_decode_attention(q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_cent: jax.Array,
-                        v_cent: jax.Array, lengths: jax.Array, k_res: jax.Array, v_res: jax.Array,
-                        res_lengths: jax.Array, scale: float | jax.Array, *,
-                        backend: Backend = "auto") -> jax.Array:
+def pq_decode_attention(
+    q: jax.Array,
+    k_codes: jax.Array,
+    v_codes: jax.Array,
+    k_cent: jax.Array,
+    v_cent: jax.Array,
+    lengths: jax.Array,
+    k_res: jax.Array,
+    v_res: jax.Array,
+    res_lengths: jax.Array,
+    scale: float | jax.Array,
+    *,
+    backend: Backend = "auto",
+) -> jax.Array:
     """One decode step of attention over a PQ-coded cache plus an exact window; returns [B H D] in q.dtype."""
     resolved = resolve_backend(backend)
     lengths, res_lengths = jnp.asarray(lengths), jnp.asarray(res_lengths)
@@ -158,7 +195,8 @@ def pq_decode_attention(q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_
         lut = lookup_tables(q, k_cent, kv_heads, group_p, scale)  # [B K Gp M C]
         v_cent_k = v_cent if v_cent.ndim == 4 else v_cent[None]  # [Kc M C ds]
         coded_out, coded_lse = pq_coded_partials_pallas(
-            lut, k_codes, v_codes, v_cent_k, lengths, interpret=resolved == "interpret")  # [B K S Gp M ds]
+            lut, k_codes, v_codes, v_cent_k, lengths, interpret=resolved == "interpret"
+        )  # [B K S Gp M ds]
         splits = coded_out.shape[2]
         outs.append(coded_out[:, :, :, :group].reshape(batch, kv_heads, splits, group, head_dim))
         lses.append(coded_lse[:, :, :, :group])

@@ -27,8 +27,9 @@ class PQBlocks:
     num_warps: int
 
 
-def choose_blocks(batch: int, kv_heads: int, group_p: int, capacity: int, head_dim: int,
-                  subspaces: int) -> PQBlocks:
+def choose_blocks(
+    batch: int, kv_heads: int, group_p: int, capacity: int, head_dim: int, subspaces: int
+) -> PQBlocks:
     """Default tiling: bt keeps per-step temporaries near TILE_ELEMENTS; splits fill about TARGET_PROGRAMS."""
     width = max(head_dim, subspaces)
     bt = max(16, min(128, TILE_ELEMENTS // (group_p * width)))
@@ -38,15 +39,30 @@ def choose_blocks(batch: int, kv_heads: int, group_p: int, capacity: int, head_d
     return PQBlocks(bt, tiles_per_split, pl.cdiv(num_tiles, tiles_per_split), 4)
 
 
-def _pq_kernel(len_ref: Any, lut_ref: Any, kc_ref: Any, vc_ref: Any, vcent_ref: Any, o_ref: Any, lse_ref: Any, *,
-               blocks: PQBlocks, group_p: int, subspaces: int, centroids: int, sub_dim: int) -> None:
+def _pq_kernel(
+    len_ref: Any,
+    lut_ref: Any,
+    kc_ref: Any,
+    vc_ref: Any,
+    vcent_ref: Any,
+    o_ref: Any,
+    lse_ref: Any,
+    *,
+    blocks: PQBlocks,
+    group_p: int,
+    subspaces: int,
+    centroids: int,
+    sub_dim: int,
+) -> None:
     """One program: all Gp query heads of kv head k over tokens [s*span, (s+1)*span) of batch row b."""
     b, s = pl.program_id(0), pl.program_id(2)
     bt = blocks.tokens
     start = s * (bt * blocks.tiles_per_split)
     length = jnp.minimum(len_ref[b], kc_ref.shape[0])  # lengths past the capacity T read nothing extra
     remaining = jnp.maximum(length - start, 0)
-    num_tiles = jnp.minimum((remaining + bt - 1) // bt, blocks.tiles_per_split)  # only tiles with a valid token
+    num_tiles = jnp.minimum(
+        (remaining + bt - 1) // bt, blocks.tiles_per_split
+    )  # only tiles with a valid token
 
     head_off = jnp.arange(group_p, dtype=jnp.int32)[:, None, None] * (subspaces * centroids)  # [Gp 1 1]
     lut_sub_off = jnp.arange(subspaces, dtype=jnp.int32)[None, None, :] * centroids  # [1 1 M]
@@ -65,12 +81,17 @@ def _pq_kernel(len_ref: Any, lut_ref: Any, kc_ref: Any, vc_ref: Any, vcent_ref: 
         alpha = jnp.exp(m_i - m_new)  # [Gp]
         p = jnp.exp(scores - m_new[:, None])  # [Gp bt]
         v_codes = plgpu.load(vc_ref.at[pl.ds(t0, bt), :], mask=valid[:, None], other=0).astype(jnp.int32)
-        values = vcent_ref[cent_sub_off + v_codes[:, :, None] * sub_dim + lane].astype(jnp.float32)  # [bt M ds]
+        values = vcent_ref[cent_sub_off + v_codes[:, :, None] * sub_dim + lane].astype(
+            jnp.float32
+        )  # [bt M ds]
         acc = acc * alpha[:, None, None] + (p[:, :, None, None] * values[None]).sum(axis=1)
         return m_new, l_i * alpha + p.sum(axis=1), acc
 
-    init = (jnp.full((group_p,), -jnp.inf, jnp.float32), jnp.zeros((group_p,), jnp.float32),
-            jnp.zeros((group_p, subspaces, sub_dim), jnp.float32))
+    init = (
+        jnp.full((group_p,), -jnp.inf, jnp.float32),
+        jnp.zeros((group_p,), jnp.float32),
+        jnp.zeros((group_p, subspaces, sub_dim), jnp.float32),
+    )
     m_i, l_i, acc = jax.lax.fori_loop(0, num_tiles, step, init)
     seen = l_i > 0
     l_safe = jnp.where(seen, l_i, 1.0)
@@ -78,9 +99,16 @@ def _pq_kernel(len_ref: Any, lut_ref: Any, kc_ref: Any, vc_ref: Any, vcent_ref: 
     lse_ref[...] = jnp.where(seen, m_i + jnp.log(l_safe), -jnp.inf)
 
 
-def pq_coded_partials_pallas(lut: jax.Array, k_codes: jax.Array, v_codes: jax.Array, v_cent: jax.Array,
-                             lengths: jax.Array, *, interpret: bool = False,
-                             blocks: PQBlocks | None = None) -> tuple[jax.Array, jax.Array]:
+def pq_coded_partials_pallas(
+    lut: jax.Array,
+    k_codes: jax.Array,
+    v_codes: jax.Array,
+    v_cent: jax.Array,
+    lengths: jax.Array,
+    *,
+    interpret: bool = False,
+    blocks: PQBlocks | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Split-K partials of the coded tokens: (normalised out [B K S Gp M ds] fp32, lse [B K S Gp] fp32)."""
     # lut [B K Gp M C] fp32 (scale folded in); codes [B K T M] uint8; v_cent [Kc M C ds], Kc in {1, K}
     batch, kv_heads, group_p, subspaces, centroids = lut.shape
@@ -92,13 +120,16 @@ def pq_coded_partials_pallas(lut: jax.Array, k_codes: jax.Array, v_codes: jax.Ar
     lut_flat = lut.reshape(batch, kv_heads, group_p * subspaces * centroids)  # [B K Gp*M*C]
     cent_flat = v_cent.reshape(v_cent.shape[0], subspaces * centroids * sub_dim)  # [Kc M*C*ds]
     splits = blocks.num_splits
-    kernel = functools.partial(_pq_kernel, blocks=blocks, group_p=group_p, subspaces=subspaces,
-                               centroids=centroids, sub_dim=sub_dim)
+    kernel = functools.partial(
+        _pq_kernel, blocks=blocks, group_p=group_p, subspaces=subspaces, centroids=centroids, sub_dim=sub_dim
+    )
     codes_spec = pl.BlockSpec((None, None, capacity, subspaces), lambda b, k, s: (b, k, 0, 0))
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, kv_heads, splits, group_p, subspaces, sub_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, kv_heads, splits, group_p), jnp.float32)),
+        out_shape=(
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, group_p, subspaces, sub_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, group_p), jnp.float32),
+        ),
         grid=(batch, kv_heads, splits),
         in_specs=[
             pl.BlockSpec((batch,), lambda b, k, s: (0,)),

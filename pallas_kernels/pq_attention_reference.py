@@ -22,17 +22,31 @@ def dequantize(codes: jax.Array, cent: jax.Array) -> jax.Array:
     return parts.reshape(batch, kv_heads, tokens, subspaces * cent.shape[-1])
 
 
-def pq_decode_attention_reference(q: jax.Array, k_codes: jax.Array, v_codes: jax.Array, k_cent: jax.Array,
-                                  v_cent: jax.Array, lengths: jax.Array, k_res: jax.Array, v_res: jax.Array,
-                                  res_lengths: jax.Array, scale: float | jax.Array) -> jax.Array:
+def pq_decode_attention_reference(
+    q: jax.Array,
+    k_codes: jax.Array,
+    v_codes: jax.Array,
+    k_cent: jax.Array,
+    v_cent: jax.Array,
+    lengths: jax.Array,
+    k_res: jax.Array,
+    v_res: jax.Array,
+    res_lengths: jax.Array,
+    scale: float | jax.Array,
+) -> jax.Array:
     """Exact softmax attention over the reconstructed coded tokens plus the exact window; [B H D] in q.dtype."""
     batch, heads, head_dim = q.shape
     kv_heads, capacity, window = k_codes.shape[1], k_codes.shape[2], k_res.shape[2]
     group = heads // kv_heads
     keys = jnp.concatenate([dequantize(k_codes, k_cent), k_res.astype(jnp.float32)], axis=2)  # [B K T+R D]
     values = jnp.concatenate([dequantize(v_codes, v_cent), v_res.astype(jnp.float32)], axis=2)  # [B K T+R D]
-    valid = jnp.concatenate([jnp.arange(capacity)[None, :] < lengths[:, None],
-                             jnp.arange(window)[None, :] < res_lengths[:, None]], axis=1)  # [B T+R]
+    valid = jnp.concatenate(
+        [
+            jnp.arange(capacity)[None, :] < lengths[:, None],
+            jnp.arange(window)[None, :] < res_lengths[:, None],
+        ],
+        axis=1,
+    )  # [B T+R]
     qg = q.astype(jnp.float32).reshape(batch, kv_heads, group, head_dim)  # [B K G D]
     scores = scale * jnp.einsum("bkgd,bksd->bkgs", qg, keys, precision=jax.lax.Precision.HIGHEST)
     scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)  # [B K G T+R]

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hf_oracle import FAMILIES, make_hf_model  # noqa: E402
+from hf_oracle import FAMILIES, make_hf_model
 
 
 @pytest.fixture(scope="session")

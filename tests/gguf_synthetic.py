@@ -14,12 +14,39 @@ import numpy as np
 
 # One small model per architecture; in-features are multiples of 256 where K-quants must fit.
 ARCHS: dict[str, dict] = {
-    "llama": dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64, tie=False,
-                  qkv_bias=False, qk_norm=False),
-    "qwen2": dict(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32, tie=False,
-                  qkv_bias=True, qk_norm=False),
-    "qwen3": dict(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=24, tie=True,
-                  qkv_bias=False, qk_norm=True),
+    "llama": dict(
+        hidden=256,
+        intermediate=512,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        tie=False,
+        qkv_bias=False,
+        qk_norm=False,
+    ),
+    "qwen2": dict(
+        hidden=128,
+        intermediate=256,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        tie=False,
+        qkv_bias=True,
+        qk_norm=False,
+    ),
+    "qwen3": dict(
+        hidden=128,
+        intermediate=256,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=24,
+        tie=True,
+        qkv_bias=False,
+        qk_norm=True,
+    ),
 }
 VOCAB = 512
 ROPE_THETA = 50000.0
@@ -34,15 +61,23 @@ def hf_weights(arch: str, seed: int = 0, layers: int | None = None) -> dict[str,
     s = dict(ARCHS[arch], **({"layers": layers} if layers else {}))
     rng = np.random.default_rng(seed)
     d, hd, f = s["hidden"], s["head_dim"], s["intermediate"]
-    w = {"model.embed_tokens.weight": rng.normal(0, 0.5, (VOCAB, d)),
-         "model.norm.weight": 1 + 0.1 * rng.normal(size=d)}
+    w = {
+        "model.embed_tokens.weight": rng.normal(0, 0.5, (VOCAB, d)),
+        "model.norm.weight": 1 + 0.1 * rng.normal(size=d),
+    }
     if not s["tie"]:
         w["lm_head.weight"] = rng.normal(0, 0.05, (VOCAB, d))
     for i in range(s["layers"]):
         p = f"model.layers.{i}."
-        shapes = {"self_attn.q_proj": (s["heads"] * hd, d), "self_attn.k_proj": (s["kv_heads"] * hd, d),
-                  "self_attn.v_proj": (s["kv_heads"] * hd, d), "self_attn.o_proj": (d, s["heads"] * hd),
-                  "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
+        shapes = {
+            "self_attn.q_proj": (s["heads"] * hd, d),
+            "self_attn.k_proj": (s["kv_heads"] * hd, d),
+            "self_attn.v_proj": (s["kv_heads"] * hd, d),
+            "self_attn.o_proj": (d, s["heads"] * hd),
+            "mlp.gate_proj": (f, d),
+            "mlp.up_proj": (f, d),
+            "mlp.down_proj": (d, f),
+        }
         for name, shape in shapes.items():
             w[p + name + ".weight"] = rng.normal(0, shape[1] ** -0.5, shape)
         w[p + "input_layernorm.weight"] = 1 + 0.1 * rng.normal(size=d)
@@ -59,11 +94,21 @@ def hf_weights(arch: str, seed: int = 0, layers: int | None = None) -> dict[str,
 def hf_config(arch: str) -> dict:
     """The HF config.json dict of `arch`'s small model (for a transformers reference model)."""
     s = ARCHS[arch]
-    return {"model_type": arch, "vocab_size": VOCAB, "hidden_size": s["hidden"],
-            "intermediate_size": s["intermediate"], "num_hidden_layers": s["layers"],
-            "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"],
-            "rms_norm_eps": RMS_EPS, "rope_theta": ROPE_THETA, "max_position_embeddings": 2048,
-            "tie_word_embeddings": s["tie"], "hidden_act": "silu"}
+    return {
+        "model_type": arch,
+        "vocab_size": VOCAB,
+        "hidden_size": s["hidden"],
+        "intermediate_size": s["intermediate"],
+        "num_hidden_layers": s["layers"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": ROPE_THETA,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": s["tie"],
+        "hidden_act": "silu",
+    }
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -77,7 +122,7 @@ def random_k_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) 
     blocks = rng.integers(0, 256, (rows, cols // 256, nbytes), dtype=np.uint8)
     for off in scale_offsets:
         scales = rng.uniform(1e-3, 1e-2, (rows, cols // 256)).astype(np.float16)
-        blocks[..., off:off + 2] = scales.view(np.uint8).reshape(rows, cols // 256, 2)
+        blocks[..., off : off + 2] = scales.view(np.uint8).reshape(rows, cols // 256, 2)
     return blocks.reshape(rows, -1)
 
 
@@ -94,9 +139,17 @@ def encode_tensor(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[
     return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype]), qtype
 
 
-def write_gguf(path: Path, arch: str, weights: dict[str, np.ndarray], qtype: str = "F32", *,
-               tokenizer: dict | None = None, arch_name: str | None = None, seed: int = 0,
-               context_length: int = 2048) -> dict[str, np.ndarray]:
+def write_gguf(
+    path: Path,
+    arch: str,
+    weights: dict[str, np.ndarray],
+    qtype: str = "F32",
+    *,
+    tokenizer: dict | None = None,
+    arch_name: str | None = None,
+    seed: int = 0,
+    context_length: int = 2048,
+) -> dict[str, np.ndarray]:
     """Write `weights` (HF names) as a GGUF of `arch` with 2-D weights in `qtype` (norms and biases
     F32); `tokenizer` adds `tokenizer.*` metadata (keys: model, pre, tokens, types, merges, scores,
     bos, eos, pad, add_bos, chat_template). Returns the raw data written per GGUF name."""
@@ -148,8 +201,12 @@ def _add_tokenizer(writer, tok: dict) -> None:
         writer.add_token_merges(tok["merges"])
     if "scores" in tok:
         writer.add_token_scores(tok["scores"])
-    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                     ("pad", writer.add_pad_token_id), ("unk", writer.add_unk_token_id)):
+    for key, add in (
+        ("bos", writer.add_bos_token_id),
+        ("eos", writer.add_eos_token_id),
+        ("pad", writer.add_pad_token_id),
+        ("unk", writer.add_unk_token_id),
+    ):
         if key in tok:
             add(tok[key])
     if "add_bos" in tok:
@@ -158,9 +215,11 @@ def _add_tokenizer(writer, tok: dict) -> None:
         writer.add_chat_template(tok["chat_template"])
 
 
-CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
-                 "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                 "{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
 
 
 def gpt2_chat_tokenizer(texts: list[str]) -> dict:
@@ -171,12 +230,26 @@ def gpt2_chat_tokenizer(texts: list[str]) -> dict:
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(list(texts) * 3 + [Path(json.__file__).read_text()], trainer)
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     tokens = [t for t, _ in vocab] + [f"<unused{i}>" for i in range(VOCAB - len(vocab))]
     types = [3 if t in specials else 5 if t.startswith("<unused") else 1 for t in tokens]
     merges = [" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
-    return dict(model="gpt2", pre="default", tokens=tokens, types=types, merges=merges, bos=1, eos=2, pad=0,
-                add_bos=False, chat_template=CHAT_TEMPLATE)
+    return dict(
+        model="gpt2",
+        pre="default",
+        tokens=tokens,
+        types=types,
+        merges=merges,
+        bos=1,
+        eos=2,
+        pad=0,
+        add_bos=False,
+        chat_template=CHAT_TEMPLATE,
+    )

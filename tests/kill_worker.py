@@ -51,8 +51,13 @@ def train_forever(path: Path) -> None:
 
     config = TrainerConfig(steps=10**6, out_dir=path, ckpt_every=1, progress=False)
     params = {"w": jnp.ones((64, 64))}
-    trainer = Trainer(lambda p, _f, b: jnp.mean((p["w"] - b["x"]) ** 2), params, optax.sgd(0.1),
-                      lambda step: {"x": np.full((64, 64), float(step), np.float32)}, config)
+    trainer = Trainer(
+        lambda p, _f, b: jnp.mean((p["w"] - b["x"]) ** 2),
+        params,
+        optax.sgd(0.1),
+        lambda step: {"x": np.full((64, 64), float(step), np.float32)},
+        config,
+    )
     trainer.maybe_resume()
     trainer.run(stop_at=1)
     print("ready", flush=True)

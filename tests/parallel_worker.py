@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from test_armt_utils import TinyTokenizer
 
 import jaxlongctx
 from jaxlongctx.config import ModelConfig
@@ -29,14 +30,33 @@ from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.attention import attention
 from jaxlongctx.model.llama import forward_hidden, positions_from_mask
 from jaxlongctx.parallel import cache_sharding, make_mesh, put_batch, shard_model
-from test_armt_utils import TinyTokenizer
 
 # GQA (2 q heads per kv head) that splits over tp up to 8; biases check "bias added once".
-CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=16,
-                  num_kv_heads=8, head_dim=8, qkv_bias=True, o_bias=True, eos_token_id=2)
+CFG = ModelConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=8,
+    qkv_bias=True,
+    o_bias=True,
+    eos_token_id=2,
+)
 # Tied embeddings + q/k norm (Qwen3-like), for the sharded loading path.
-TIED = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
-                   num_kv_heads=4, head_dim=8, qk_norm=True, tie_word_embeddings=True, model_type="qwen3")
+TIED = ModelConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    model_type="qwen3",
+)
 MESHES = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2)]  # (tp, dp)
 NEW_TOKENS = 4
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -51,8 +71,9 @@ def make_model(config: ModelConfig = CFG, seed: int = 1) -> jaxlongctx.Model:
     for name in ("bq", "bk", "bv", "bo", "input_norm", "post_norm", "q_norm", "k_norm"):
         if name in pure["layers"]:
             leaf = pure["layers"][name]
-            pure["layers"][name] = jnp.asarray(rng.normal(1.0 if "norm" in name else 0.0, 0.1, leaf.shape),
-                                               leaf.dtype)
+            pure["layers"][name] = jnp.asarray(
+                rng.normal(1.0 if "norm" in name else 0.0, 0.1, leaf.shape), leaf.dtype
+            )
     nnx.replace_by_pure_dict(state, pure)
     return jaxlongctx.Model(nnx.merge(graphdef, state))
 
@@ -68,15 +89,21 @@ def sample_inputs(config: ModelConfig = CFG) -> tuple[np.ndarray, np.ndarray]:
 def reference(config: ModelConfig = CFG) -> dict[str, Any]:
     """Single-device logits and greedy tokens (no mesh at all)."""
     model, (ids, mask) = make_model(config), sample_inputs(config)
-    return {"logits": np.asarray(model(ids, mask)),
-            "tokens": jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)}
+    return {
+        "logits": np.asarray(model(ids, mask)),
+        "tokens": jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1),
+    }
 
 
 def device0_param_bytes(model: jaxlongctx.Model) -> int:
     """Parameter bytes held by the first device of the model's mesh."""
     device = model.mesh.devices.flat[0]
-    return sum(s.data.nbytes for leaf in jax.tree.leaves(model.params)
-               for s in leaf.addressable_shards if s.device == device)
+    return sum(
+        s.data.nbytes
+        for leaf in jax.tree.leaves(model.params)
+        for s in leaf.addressable_shards
+        if s.device == device
+    )
 
 
 def replicated_param_bytes(model: jaxlongctx.Model) -> int:
@@ -141,14 +168,17 @@ def run_meshes() -> dict[str, Any]:
         model = shard_model(base, make_mesh(tp=tp, dp=dp))
         logits = model(ids, mask)
         tokens = jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
-        out["meshes"].append({
-            "tp": tp, "dp": dp,
-            "logit_max_diff": float(np.abs(np.asarray(logits) - ref["logits"]).max()),
-            "tokens_equal": bool((tokens == ref["tokens"]).all()),
-            "device0_param_bytes": device0_param_bytes(model),
-            "replicated_param_bytes": replicated_param_bytes(model),
-            "wq_spec": str(model.module.layers.wq[...].sharding.spec),
-        })
+        out["meshes"].append(
+            {
+                "tp": tp,
+                "dp": dp,
+                "logit_max_diff": float(np.abs(np.asarray(logits) - ref["logits"]).max()),
+                "tokens_equal": bool((tokens == ref["tokens"]).all()),
+                "device0_param_bytes": device0_param_bytes(model),
+                "replicated_param_bytes": replicated_param_bytes(model),
+                "wq_spec": str(model.module.layers.wq[...].sharding.spec),
+            }
+        )
     tp4 = shard_model(base, make_mesh(tp=4))
     out["layer_collectives_tp4"] = layer_collectives(tp4)
     out["forward_collectives_tp4"] = forward_collectives(tp4)
@@ -159,8 +189,14 @@ def run_meshes() -> dict[str, Any]:
     return out
 
 
-def pq_teacher_forced(model: jaxlongctx.Model, codebooks: Any, ids: np.ndarray, mask: np.ndarray,
-                      forced: np.ndarray, window: int) -> tuple[np.ndarray, Any]:
+def pq_teacher_forced(
+    model: jaxlongctx.Model,
+    codebooks: Any,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    forced: np.ndarray,
+    window: int,
+) -> tuple[np.ndarray, Any]:
     """Logits `[B, 1 + steps, V]` of a PQ prefill then decode steps fed `forced` `[B, steps]` (several
     window flushes), and the final cache, on the model's mesh (or none)."""
     from jaxlongctx.pq_generate import place_codebooks, pq_decode_hidden, pq_prefill
@@ -172,12 +208,16 @@ def pq_teacher_forced(model: jaxlongctx.Model, codebooks: Any, ids: np.ndarray, 
         logits, cache = pq_prefill(module, k_cent, v_cent, capacity, window, False, ids, mask)
         positions, steps = mask.sum(axis=1), [logits]
         for i in range(forced.shape[1]):
-            h, cache = pq_decode_hidden(module, k_cent, v_cent, forced[:, i:i + 1], (positions + i)[:, None], cache)
+            h, cache = pq_decode_hidden(
+                module, k_cent, v_cent, forced[:, i : i + 1], (positions + i)[:, None], cache
+            )
             steps.append(module.head(h)[:, 0])
         return jnp.stack(steps, axis=1), cache
 
     k_cent, v_cent = place_codebooks(*codebooks.stacked(), model.mesh)
-    logits, cache = jax.jit(run)(model.params, k_cent, v_cent, *(put_batch(x, model.mesh) for x in (ids, mask, forced)))
+    logits, cache = jax.jit(run)(
+        model.params, k_cent, v_cent, *(put_batch(x, model.mesh) for x in (ids, mask, forced))
+    )
     return np.asarray(logits), cache
 
 
@@ -192,9 +232,19 @@ def check_pq_generation(base: jaxlongctx.Model) -> dict[str, Any]:
     window = 4
     out: dict[str, Any] = {}
     for granularity, meshes in (("layer_head", MESHES), ("shared", [(2, 2)])):
-        cb = calibrate(base, stream, ds=2, bits=4, granularity=granularity, iters=4, seq_len=64, max_tokens=1024)
-        generate = lambda m: jaxlongctx.generate(m, ids, NEW_TOKENS + window, attention_mask=mask,  # noqa: E731
-                                                 eos_id=-1, kv_cache="pq", codebooks=cb, pq_window=window)
+        cb = calibrate(
+            base, stream, ds=2, bits=4, granularity=granularity, iters=4, seq_len=64, max_tokens=1024
+        )
+        generate = lambda m: jaxlongctx.generate(
+            m,
+            ids,
+            NEW_TOKENS + window,
+            attention_mask=mask,
+            eos_id=-1,
+            kv_cache="pq",
+            codebooks=cb,
+            pq_window=window,
+        )
         want_logits, _ = pq_teacher_forced(base, cb, ids, mask, forced, window)
         want_tokens = generate(base)
         for tp, dp in meshes:
@@ -245,24 +295,43 @@ def check_pq_attention() -> dict[str, Any]:
     rng = np.random.default_rng(0)
     b, kv, group, hd, ds, cap, window, cents = 4, 4, 2, 16, 2, 24, 4, 16
     m = hd // ds
-    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
-    codes = lambda: rng.integers(0, cents, (b, kv, cap, m)).astype(np.uint8)  # noqa: E731
-    host = (normal(b, kv * group, hd), codes(), codes(), normal(kv, m, cents, ds), normal(kv, m, cents, ds),
-            np.array([0, 7, 24, 13], np.int32), normal(b, kv, window, hd), normal(b, kv, window, hd),
-            np.array([1, 4, 2, 3], np.int32))
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    codes = lambda: rng.integers(0, cents, (b, kv, cap, m)).astype(np.uint8)
+    host = (
+        normal(b, kv * group, hd),
+        codes(),
+        codes(),
+        normal(kv, m, cents, ds),
+        normal(kv, m, cents, ds),
+        np.array([0, 7, 24, 13], np.int32),
+        normal(b, kv, window, hd),
+        normal(b, kv, window, hd),
+        np.array([1, 4, 2, 3], np.int32),
+    )
     mesh = make_mesh(tp=2, dp=2)
-    specs = (P("dp", "tp", None), P("dp", "tp", None, None), P("dp", "tp", None, None),
-             P("tp", None, None, None), P("tp", None, None, None), P("dp"), P("dp", "tp", None, None),
-             P("dp", "tp", None, None), P("dp"))
+    specs = (
+        P("dp", "tp", None),
+        P("dp", "tp", None, None),
+        P("dp", "tp", None, None),
+        P("tp", None, None, None),
+        P("tp", None, None, None),
+        P("dp"),
+        P("dp", "tp", None, None),
+        P("dp", "tp", None, None),
+        P("dp"),
+    )
     placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(host, specs)]
     out: dict[str, Any] = {}
     for backend in ("xla", "interpret"):
-        fn = jax.jit(lambda *a, be=backend: sharded_pq_decode_attention(*a, hd ** -0.5, backend=be))
+        fn = jax.jit(lambda *a, be=backend: sharded_pq_decode_attention(*a, hd**-0.5, backend=be))
         want = np.asarray(fn(*[jnp.asarray(x) for x in host]))  # no mesh: the kernel called directly
         got = fn(*placed)
         hlo = fn.lower(*placed).compile().as_text()
-        out[backend] = {"max_diff": float(np.abs(np.asarray(got) - want).max()), "out_spec": str(got.sharding.spec),
-                        "collectives": sum(len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in COLLECTIVES)}
+        out[backend] = {
+            "max_diff": float(np.abs(np.asarray(got) - want).max()),
+            "out_spec": str(got.sharding.spec),
+            "collectives": sum(len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in COLLECTIVES),
+        }
     return out
 
 
@@ -289,7 +358,7 @@ def run_armt() -> dict[str, Any]:
     def stream(model) -> np.ndarray:  # chunks of 10 tokens, then a flush: logits of row 0
         state, rows = model.init_state(ids.shape[0]), []
         for start in range(0, ids.shape[1], 10):
-            state, out = model.feed(state, ids[:, start:start + 10])
+            state, out = model.feed(state, ids[:, start : start + 10])
             rows.append(np.asarray(out[0]))
         rows.append(np.asarray(model.flush(state)[1][0]))
         return np.concatenate(rows)
@@ -299,8 +368,11 @@ def run_armt() -> dict[str, Any]:
     want_tokens = jaxlongctx.generate(plain, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
     want_stream = stream(plain)
     sentences = armt(base, "sentences")
-    want_sentences = (sentences(ids, mask), jaxlongctx.generate(sentences, ids, NEW_TOKENS, attention_mask=mask,
-                                                                eos_id=-1), stream(sentences))
+    want_sentences = (
+        sentences(ids, mask),
+        jaxlongctx.generate(sentences, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1),
+        stream(sentences),
+    )
     out: dict[str, Any] = {}
     for tp, dp in MESHES[1:]:
         model = armt(shard_model(base, make_mesh(tp=tp, dp=dp)))
@@ -308,26 +380,38 @@ def run_armt() -> dict[str, Any]:
         for schedule, (logits, state) in want.items():
             got_logits, got_state = model.run(ids, mask, schedule=schedule)
             row[schedule] = float(np.abs(np.asarray(got_logits) - np.asarray(logits)).max())
-            row[f"{schedule}_A_rel"] = float(np.abs(np.asarray(got_state.A) - np.asarray(state.A)).max()
-                                             / np.abs(np.asarray(state.A)).max())
+            row[f"{schedule}_A_rel"] = float(
+                np.abs(np.asarray(got_state.A) - np.asarray(state.A)).max()
+                / np.abs(np.asarray(state.A)).max()
+            )
             row["A_spec"] = str(got_state.A.sharding.spec)
-        row["tokens_equal"] = bool((jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
-                                    == want_tokens).all())
+        row["tokens_equal"] = bool(
+            (jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1) == want_tokens).all()
+        )
         row["stream"] = float(np.abs(stream(model) - want_stream).max())
         model = armt(shard_model(base, make_mesh(tp=tp, dp=dp)), "sentences")  # segments cut after sentences
-        row["sentences_diagonal"] = float(np.abs(np.asarray(model(ids, mask)) - np.asarray(want_sentences[0])).max())
-        row["sentences_tokens_equal"] = bool((jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask,
-                                                                  eos_id=-1) == want_sentences[1]).all())
+        row["sentences_diagonal"] = float(
+            np.abs(np.asarray(model(ids, mask)) - np.asarray(want_sentences[0])).max()
+        )
+        row["sentences_tokens_equal"] = bool(
+            (
+                jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
+                == want_sentences[1]
+            ).all()
+        )
         row["sentences_stream"] = float(np.abs(stream(model) - want_sentences[2]).max())
         out[f"dp{dp}xtp{tp}"] = row
     with tempfile.TemporaryDirectory() as tmp:  # an ARMT checkpoint restored straight into its shards
         loaded = jaxlongctx.load(plain.save(Path(tmp) / "armt"), mesh=make_mesh(tp=2, dp=2))
         logits, _ = loaded.run(ids, mask, schedule="diagonal")
-        out["loaded_2x2"] = {"wv_spec": str(loaded.memory.wv[...].sharding.spec),
-                             "wq_spec": str(loaded.base.module.layers.wq[...].sharding.spec),
-                             "diagonal": float(np.abs(np.asarray(logits) - np.asarray(want["diagonal"][0])).max())}
-    out["sentences_differ_from_grid"] = float(np.abs(np.asarray(want_sentences[0]) - np.asarray(want["diagonal"][0])
-                                                     ).max())
+        out["loaded_2x2"] = {
+            "wv_spec": str(loaded.memory.wv[...].sharding.spec),
+            "wq_spec": str(loaded.base.module.layers.wq[...].sharding.spec),
+            "diagonal": float(np.abs(np.asarray(logits) - np.asarray(want["diagonal"][0])).max()),
+        }
+    out["sentences_differ_from_grid"] = float(
+        np.abs(np.asarray(want_sentences[0]) - np.asarray(want["diagonal"][0])).max()
+    )
     return out
 
 
@@ -349,17 +433,31 @@ def run_kv_replicas(combos: list[tuple[int, int]], tokens: bool) -> dict[str, An
         armt.cpu_execution = PIPELINE_ALWAYS  # this short input would otherwise run in sequential order
         armt.randomize_memory_params(jax.random.key(1), 0.5)
         pq = {"kv_cache": "pq", "codebooks": codebooks, "pq_window": window}
-        greedy = lambda m, **kw: (jaxlongctx.generate(m, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1, **kw)  # noqa: E731
-                                  if tokens else None)
+        greedy = lambda m, **kw: (
+            jaxlongctx.generate(m, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1, **kw) if tokens else None
+        )
         pq_logits, pq_cache = pq_teacher_forced(model, codebooks, ids, mask, forced, window)
         armt_logits, armt_state = armt.run(ids, mask)
-        return {"dense": (np.asarray(model(ids, mask)), greedy(model)), "pq": (pq_logits, greedy(model, **pq)),
-                "armt": (np.asarray(armt_logits), greedy(armt)), "pq_cache": pq_cache, "armt_state": armt_state}
+        return {
+            "dense": (np.asarray(model(ids, mask)), greedy(model)),
+            "pq": (pq_logits, greedy(model, **pq)),
+            "armt": (np.asarray(armt_logits), greedy(armt)),
+            "pq_cache": pq_cache,
+            "armt_state": armt_state,
+        }
 
     for kv in sorted({k for k, _ in combos}):
         base = make_model(dataclasses.replace(CFG, num_kv_heads=kv, num_layers=1))
-        cb = calibrate(base, np.random.default_rng(5).integers(3, CFG.vocab_size, 512), ds=2, bits=4,
-                       granularity="layer_head", iters=2, seq_len=64, max_tokens=256)
+        cb = calibrate(
+            base,
+            np.random.default_rng(5).integers(3, CFG.vocab_size, 512),
+            ds=2,
+            bits=4,
+            granularity="layer_head",
+            iters=2,
+            seq_len=64,
+            max_tokens=256,
+        )
         want = outputs(base, cb)
         for tp in (t for k, t in combos if k == kv):
             model = shard_model(base, make_mesh(tp=tp))
@@ -368,7 +466,8 @@ def run_kv_replicas(combos: list[tuple[int, int]], tokens: bool) -> dict[str, An
                 "mesh": dict(model.mesh.shape),
                 "wq_spec": str(model.module.layers.wq[...].sharding.spec),
                 "wk_spec": str(model.module.layers.wk[...].sharding.spec),
-                "wv_local_heads": model.module.layers.wv[...].addressable_shards[0].data.shape[-1] // CFG.head_dim,
+                "wv_local_heads": model.module.layers.wv[...].addressable_shards[0].data.shape[-1]
+                // CFG.head_dim,
                 "dense_cache_local_heads": prefill_cache(model).k.addressable_shards[0].data.shape[2],
                 "pq_codes_local_heads": got["pq_cache"].k_codes.addressable_shards[0].data.shape[2],
                 "armt_A_spec": str(got["armt_state"].A.sharding.spec),
@@ -392,9 +491,14 @@ def run_process(port: int, nproc: int, rank: int, ckpt: str) -> dict[str, Any]:
     ids, mask = sample_inputs()
     logits = np.asarray(model(ids, mask))
     tokens = jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
-    return {"process": jax.process_index(), "global_devices": len(jax.devices()),
-            "local_devices": len(jax.local_devices()), "logits": logits.tolist(), "tokens": tokens.tolist(),
-            "wq_local_shape": list(model.module.layers.wq[...].addressable_shards[0].data.shape)}
+    return {
+        "process": jax.process_index(),
+        "global_devices": len(jax.devices()),
+        "local_devices": len(jax.local_devices()),
+        "logits": logits.tolist(),
+        "tokens": tokens.tolist(),
+        "wq_local_shape": list(model.module.layers.wq[...].addressable_shards[0].data.shape),
+    }
 
 
 def main(argv: list[str]) -> None:

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_armt_utils import VOCAB, make_armt, numpy_armt, shared_armt, tiny_config
 
 from jaxlongctx.armt import ARMTConfig, DiagonalProjections
 from jaxlongctx.armt.diagonal import PIPELINE_ALWAYS, CPUExecution, computed_cells, fixed_buffer_waste, plan
 from jaxlongctx.armt.segments import compact, segment
 from jaxlongctx.armt.sequential import TRACES
 from jaxlongctx.model.model import Model
-from test_armt_utils import VOCAB, make_armt, numpy_armt, shared_armt, tiny_config
 
 RNG = np.random.default_rng(0)
 
@@ -60,7 +60,7 @@ def test_batch_with_padding_equals_rows_alone():
     assert float(jnp.abs(ls - ld).max()) <= 1e-4
     assert _rel(sd.A, ss.A) <= 1e-5
     for r, n in enumerate(lengths):
-        alone, st = armt.run(ids[r:r + 1, :n], schedule="sequential")
+        alone, st = armt.run(ids[r : r + 1, :n], schedule="sequential")
         assert float(jnp.abs(ld[r, :n] - alone[0]).max()) <= 1e-4
         assert n == 37 or float(jnp.abs(ld[r, n:]).max()) == 0.0
         assert _rel(sd.A[:, r], st.A[:, 0]) <= 1e-5  # padding segments never wrote the memory
@@ -109,8 +109,11 @@ def test_cpu_execution_choices_agree():
     """Diagonals batched or cell by cell, and the sequential-order shortcut the default takes on CPU
     for inputs with few segments, all give the sequential schedule's logits and memory."""
     armt = make_armt()  # 3 layers: the default shortcut applies below 3 * 3 segments
-    cases = {"batched": PIPELINE_ALWAYS, "cell by cell": CPUExecution(batched_rows=0, min_segments_per_layer=0),
-             "default": CPUExecution()}
+    cases = {
+        "batched": PIPELINE_ALWAYS,
+        "cell by cell": CPUExecution(batched_rows=0, min_segments_per_layer=0),
+        "default": CPUExecution(),
+    }
     for length, pipeline_by_default in ((37, False), (77, True)):  # 5 and 10 segments
         ids = RNG.integers(0, VOCAB, (2, length))
         want, want_state = armt.run(ids, schedule="sequential")
@@ -124,7 +127,10 @@ def test_cpu_execution_choices_agree():
             if name == "default":
                 assert took_pipeline == pipeline_by_default, (length, TRACES)
             else:
-                assert took_pipeline or not TRACES, (name, TRACES)  # compiled earlier, or traced as the pipeline
+                assert took_pipeline or not TRACES, (
+                    name,
+                    TRACES,
+                )  # compiled earlier, or traced as the pipeline
 
 
 def test_ramp_waste():
@@ -136,15 +142,18 @@ def test_ramp_waste():
     assert fixed_buffer_waste(8, 8) == pytest.approx(7 / 15)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _bf16_models():
     """A default-initialised model (std 0.02 weights, unit norms) with random memory weights, in bf16
     and the same bf16-rounded weights in fp32. Memory scale 0.2: with scale 1 the random memory
     dynamics are chaotic and bf16 and fp32 trajectories drift apart after ~4K tokens whatever the
     schedule (fp32 diagonal still equals fp32 sequential exactly)."""
     model = Model.init(tiny_config(), seed=3)
-    low = model.with_armt(ARMTConfig(8, 4, d_mem=8), jax.random.key(3)).randomize_memory_params(
-        jax.random.key(4), 0.2).astype(jnp.bfloat16)
+    low = (
+        model.with_armt(ARMTConfig(8, 4, d_mem=8), jax.random.key(3))
+        .randomize_memory_params(jax.random.key(4), 0.2)
+        .astype(jnp.bfloat16)
+    )
     return low, low.astype(jnp.float32)
 
 
@@ -179,11 +188,14 @@ def test_bf16_state_schedules_agree():
 
 
 # --- the grouped-GEMM diagonal step (jaxlongctx.armt.projections) -------------------------------------
-GROUPED_INTERPRET = DiagonalProjections("grouped_matmul", "interpret")  # the Pallas kernel, interpreted on CPU
+GROUPED_INTERPRET = DiagonalProjections(
+    "grouped_matmul", "interpret"
+)  # the Pallas kernel, interpreted on CPU
 
 
 def _forward_and_grads(armt, segs, schedule):
     """Logits, final memory and parameter gradients of a next-token loss, in one compiled call."""
+
     def loss(params):
         state, logits = armt.run_segments(params, segs, schedule)
         logp = jax.nn.log_softmax(logits, -1)
@@ -216,8 +228,9 @@ def test_grouped_matmul_diagonal_equals_sequential():
     _assert_schedules_agree(_forward_and_grads(armt, segs, "diagonal"), want)
 
 
-@pytest.mark.parametrize("length", [45, pytest.param(16, marks=pytest.mark.slow),
-                                    pytest.param(90, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "length", [45, pytest.param(16, marks=pytest.mark.slow), pytest.param(90, marks=pytest.mark.slow)]
+)
 def test_grouped_structure_equals_sequential(length):
     """The grouped step with the kernel's XLA reference (fast to compile): group slicing, first layers
     and the per-layer vectors broadcast over the group axis, on 3 layers: S > L with a short last
@@ -256,7 +269,7 @@ def test_grouped_matmul_bf16_stream_equals_one_shot():
     one_shot = armt(ids)
     state, outs = armt.init_state(1), []
     for start in range(0, 40, 11):
-        state, out = armt.feed(state, ids[:, start:start + 11])
+        state, out = armt.feed(state, ids[:, start : start + 11])
         outs.append(np.asarray(out[0]))
     outs.append(np.asarray(armt.flush(state)[1][0]))
     assert float(jnp.abs(jnp.asarray(np.concatenate(outs)) - one_shot[0]).max()) <= 1e-4
@@ -264,8 +277,9 @@ def test_grouped_matmul_bf16_stream_equals_one_shot():
 
 
 def test_projection_choice():
-    assert DiagonalProjections().resolve(on_mesh=False) == ("grouped_matmul" if jax.default_backend() == "gpu"
-                                                            else "vmap")
+    assert DiagonalProjections().resolve(on_mesh=False) == (
+        "grouped_matmul" if jax.default_backend() == "gpu" else "vmap"
+    )
     assert DiagonalProjections("auto", "interpret").resolve(on_mesh=False) == "vmap"  # auto: real Pallas only
     assert DiagonalProjections("auto", "pallas").resolve(on_mesh=False) == "grouped_matmul"
     assert DiagonalProjections("auto", "pallas").resolve(on_mesh=True) == "vmap"
@@ -279,6 +293,9 @@ def test_projection_choice():
     armt = shared_armt()
     armt.projections = "vmap"
     try:
-        assert armt.projections == DiagonalProjections("vmap") and armt.astype(jnp.float32).projections.method == "vmap"
+        assert (
+            armt.projections == DiagonalProjections("vmap")
+            and armt.astype(jnp.float32).projections.method == "vmap"
+        )
     finally:
         armt.projections = "auto"

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_armt_utils import NEWLINE, PERIOD, VOCAB, TinyTokenizer, make_armt
 
 from jaxlongctx.armt.generation import window_starts
 from jaxlongctx.armt.segments import Segments, pad_segments, segment_at
@@ -16,9 +17,9 @@ from jaxlongctx.data.tokenizer import load_default_tokenizer
 from jaxlongctx.demo import ARMT_MODEL
 from jaxlongctx.loading import load
 from jaxlongctx.train.armt_finetune import answer_logits, haystack_batch, retrieval_loss
-from test_armt_utils import NEWLINE, PERIOD, VOCAB, TinyTokenizer, make_armt
 
 RNG = np.random.default_rng(5)
+
 
 def _sentence_armt():
     armt = make_armt(3, 8)  # segment size 8
@@ -48,10 +49,13 @@ def test_starts_keep_short_sentences_whole_and_cut_long_ones():
     assert np.all(ends - starts <= 8) and np.all(ends - starts >= 1)
     assert np.flatnonzero(seg.may_start(row)).tolist() == [3, 7, 12, 18, 30]
     for k in range(1, len(starts)):  # a prefix that ends at a start is cut as the whole row before it
-        assert seg.starts(row[:starts[k]], 8).tolist() == starts[:k].tolist()
+        assert seg.starts(row[: starts[k]], 8).tolist() == starts[:k].tolist()
     # a stream's cut: decided once S + 1 tokens are in (or the row ends), the same as the whole row's
     assert [seg.first_segment_length(row[:t], 8, final=False) for t in (0, 7, 8, 9)] == [0, 0, 0, 7]
-    assert seg.first_segment_length(row[:5], 8, final=True) == 5 and seg.first_segment_length(row[:0], 8, True) == 0
+    assert (
+        seg.first_segment_length(row[:5], 8, final=True) == 5
+        and seg.first_segment_length(row[:0], 8, True) == 0
+    )
     assert seg.first_segment_length(row[18:], 8, final=False) == 8  # the long sentence: cut where full
     # a line break ends a sentence too; a period inside a word ("a.b": no space after) does not
     words = np.array([11, 13, NEWLINE, 6, 8, PERIOD, 10, 13, 15, PERIOD, 17])
@@ -69,8 +73,11 @@ def test_starts_keep_short_sentences_whole_and_cut_long_ones():
 def test_segment_at_places_every_token_rejects_bad_starts_and_pads():
     ids = np.arange(1, 21)[None].repeat(2, 0)
     segs, slots = segment_at(ids, np.array([20, 11]), [np.array([0, 7, 15]), np.array([0, 3])], 8)
-    assert segs.n.tolist() == [[7, 3], [8, 8], [5, 0]] and segs.first.tolist() == [[True, True], [False, False],
-                                                                                     [False, False]]
+    assert segs.n.tolist() == [[7, 3], [8, 8], [5, 0]] and segs.first.tolist() == [
+        [True, True],
+        [False, False],
+        [False, False],
+    ]
     flat = np.swapaxes(segs.ids, 0, 1).reshape(2, -1)
     valid = slots >= 0
     assert valid.sum(1).tolist() == [20, 11]
@@ -90,7 +97,7 @@ def test_sentence_segments_in_a_batch_and_both_schedules():
     ids = np.zeros((2, 27), np.int64)
     mask = np.zeros((2, 27), bool)
     for r, row in enumerate(rows):
-        ids[r, 27 - len(row):], mask[r, 27 - len(row):] = row, True  # left padding
+        ids[r, 27 - len(row) :], mask[r, 27 - len(row) :] = row, True  # left padding
     diagonal = armt(ids, mask, schedule="diagonal")
     sequential = armt(ids, mask, schedule="sequential")
     assert float(jnp.abs(diagonal - sequential).max()) <= 1e-4
@@ -109,11 +116,15 @@ def test_sentence_segments_in_a_batch_and_both_schedules():
 @pytest.mark.parametrize("schedule", ["diagonal", "sequential"])
 def test_streams_cut_sentence_segments_as_the_one_shot_call(schedule):
     armt = _sentence_armt()
-    first, second, other = _text([3, 4, 2, 7, 5, 6]), _text([2, 6, 3]), _text([6, 6, 6, 2, 12, 6])  # 27, 11, 38
+    first, second, other = (
+        _text([3, 4, 2, 7, 5, 6]),
+        _text([2, 6, 3]),
+        _text([6, 6, 6, 2, 12, 6]),
+    )  # 27, 11, 38
     ids = np.stack([np.concatenate([first, second]), other])  # row 0: two documents back to back
     state, outs, at = armt.init_state(2, schedule), [[], []], 0
     for size in (1, 9, 4, 13, 5, 6):  # cuts are often decided mid-chunk; row 0's first document ends at 27
-        state, out = armt.feed(state, ids[:, at:at + size], end_document=[at + size == 27, False])
+        state, out = armt.feed(state, ids[:, at : at + size], end_document=[at + size == 27, False])
         at += size
         for r in range(2):
             outs[r].append(out[r])
@@ -133,17 +144,19 @@ def test_sentence_generation_equals_repeated_generation_logits():
     ids = np.zeros((2, n), np.int64)
     mask = np.arange(n)[None] < np.array([len(r) for r in rows])[:, None]
     for r, row in enumerate(rows):
-        ids[r, :len(row)] = row
+        ids[r, : len(row)] = row
     new = 14  # both windows fill: commits, then plain segments
-    got = {s: armt.generate_ids(ids, new, attention_mask=mask, schedule=s, eos_id=-1)
-           for s in ("diagonal", "sequential")}
+    got = {
+        s: armt.generate_ids(ids, new, attention_mask=mask, schedule=s, eos_id=-1)
+        for s in ("diagonal", "sequential")
+    }
     np.testing.assert_array_equal(got["diagonal"], got["sequential"])
     for r, row in enumerate(rows):
         seq = list(row)
         for _ in range(new):
             logits = armt.generation_logits(np.asarray(seq)[None], len(row), schedule="diagonal")
             seq.append(int(jnp.argmax(logits[0, -1])))
-        assert got["diagonal"][r, n:].tolist() == seq[len(row):]
+        assert got["diagonal"][r, n:].tolist() == seq[len(row) :]
     # rows whose windows open at different places in one batch: each row as if alone
     pair = np.stack([_text([3, 4, 5, 6, 8]), _text([7, 7, 8, 4])])  # 22-token prompts: windows at 18 and 14
     opens, before = window_starts(armt, pair, np.array([22, 22]))
@@ -151,7 +164,7 @@ def test_sentence_generation_equals_repeated_generation_logits():
     assert [b.tolist() for b in before] == [c.tolist() for c in armt.segment_starts(pair, opens)]  # one cut
     both = armt.generation_logits(pair, 22)
     for r in range(2):
-        assert float(jnp.abs(both[r] - armt.generation_logits(pair[r:r + 1], 22)[0]).max()) <= 1e-4
+        assert float(jnp.abs(both[r] - armt.generation_logits(pair[r : r + 1], 22)[0]).max()) <= 1e-4
 
 
 def test_shipped_tokenizer_keeps_split_facts_in_one_segment():
@@ -183,8 +196,9 @@ def test_training_on_sentence_segments_scores_the_tokens_decoding_sees():
     assert batch["seg_n"].sum(0).tolist() == lengths.tolist()
 
     armt = load(ARMT_MODEL, "fp32")
-    _, seg_logits = armt.run_segments(armt.params, Segments(batch["seg_ids"], batch["seg_n"], batch["seg_first"]),
-                                      "diagonal")
+    _, seg_logits = armt.run_segments(
+        armt.params, Segments(batch["seg_ids"], batch["seg_n"], batch["seg_first"]), "diagonal"
+    )
     armt.segmentation = "sentences"  # the reference: the model's own sentence-segmented forward, token order
     mask = np.arange(batch["ids"].shape[1])[None] < lengths[:, None]
     logits = armt(batch["ids"], mask)  # B T V
@@ -192,13 +206,19 @@ def test_training_on_sentence_segments_scores_the_tokens_decoding_sees():
     expected = np.take_along_axis(np.asarray(logits), batch["answer_pos"][..., None], axis=1)
     np.testing.assert_allclose(answer, expected, atol=2e-4)
     grid_loss = retrieval_loss(seg_logits, {k: v for k, v in batch.items() if k != "slots"}, 0.5)
-    loss = jax.jit(lambda lg, b: retrieval_loss(lg, b, 0.5))(seg_logits, batch)  # slots traced, as in training
+    loss = jax.jit(lambda lg, b: retrieval_loss(lg, b, 0.5))(
+        seg_logits, batch
+    )  # slots traced, as in training
     ce = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(expected), batch["answer_ids"])
     lm = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["ids"][:, 1:])
     real = mask[:, 1:] & mask[:, :-1]
-    reference = (ce * batch["answer_mask"]).sum() / batch["answer_mask"].sum() + 0.5 * (lm * real).sum() / real.sum()
+    reference = (ce * batch["answer_mask"]).sum() / batch["answer_mask"].sum() + 0.5 * (
+        lm * real
+    ).sum() / real.sum()
     np.testing.assert_allclose(loss, reference, rtol=1e-4)
-    assert abs(float(grid_loss) - float(loss)) > 1e-2  # reading the segments as a grid scores the wrong tokens
+    assert (
+        abs(float(grid_loss) - float(loss)) > 1e-2
+    )  # reading the segments as a grid scores the wrong tokens
 
 
 def test_checkpoint_keeps_its_segmentation(tmp_path):

@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_armt_utils import VOCAB, shared_armt, tiny_config
 
 from jaxlongctx.armt import ARMTConfig, ARMTModel
 from jaxlongctx.checkpoint import load_module
 from jaxlongctx.generate import generate
-from test_armt_utils import VOCAB, shared_armt, tiny_config
 
 RNG = np.random.default_rng(1)
 
@@ -27,7 +27,7 @@ def test_stream_chunks_equal_one_shot(schedule):
     state = armt.init_state(1, schedule)
     pieces, start = [], 0
     for size in (3, 10, 1, 0, 17, 14):
-        state, out = armt.feed(state, ids[:, start:start + size])
+        state, out = armt.feed(state, ids[:, start : start + size])
         pieces.append(out[0])
         start += size
     state, out = armt.flush(state)
@@ -42,9 +42,11 @@ def test_documents_back_to_back_without_draining():
     d10, d11 = RNG.integers(0, VOCAB, 22), RNG.integers(0, VOCAB, 10)  # row 1: two documents
     state = armt.init_state(2, "diagonal")
     outs = [[], []]
-    feeds = [(np.stack([d00, d10[:12]]), [True, False]),
-             (np.stack([d01[:10], d10[12:]]), [False, True]),
-             (np.stack([d01[10:], d11]), [True, False])]
+    feeds = [
+        (np.stack([d00, d10[:12]]), [True, False]),
+        (np.stack([d01[:10], d10[12:]]), [False, True]),
+        (np.stack([d01[10:], d11]), [True, False]),
+    ]
     for chunk, ends in feeds:
         state, out = armt.feed(state, chunk, end_document=ends)
         assert state.occupied is not None  # the pipeline kept segments in flight between calls
@@ -68,12 +70,15 @@ def test_greedy_generation_equals_repeated_generation_logits():
     lengths = [29, 24]  # 3 whole segments + 5 tokens; 3 whole segments (the window opens on the last one)
     mask = np.arange(29)[None] < np.asarray(lengths)[:, None]
     new = 15  # both windows (rows 0 / 1: [24, 40) / [16, 32)) fill: two commits, then a fresh segment
-    got = {s: armt.generate_ids(ids, new, attention_mask=mask, schedule=s, eos_id=-1)
-           for s in ("diagonal", "sequential")}
+    got = {
+        s: armt.generate_ids(ids, new, attention_mask=mask, schedule=s, eos_id=-1)
+        for s in ("diagonal", "sequential")
+    }
     np.testing.assert_array_equal(got["diagonal"], got["sequential"])
     timings = {}
-    np.testing.assert_array_equal(generate(armt, ids, new, attention_mask=mask, eos_id=-1, timings=timings),
-                                  got["diagonal"])
+    np.testing.assert_array_equal(
+        generate(armt, ids, new, attention_mask=mask, eos_id=-1, timings=timings), got["diagonal"]
+    )
     assert timings["decode_steps"] == new and timings["prefill_s"] > 0 and timings["decode_s"] > 0
     for r, n in enumerate(lengths):
         seq = list(ids[r, :n])
@@ -121,7 +126,9 @@ def test_memory_accounting():
     cfg, ac = armt.config, armt.armt
     state = cfg.num_layers * ac.d_key * (cfg.hidden_size + 1) * 4  # A and z in float32
     assert armt.state_bytes() == state + ac.num_mem_tokens * cfg.hidden_size * 4
-    assert armt.full_attention_kv_bytes(1000) == 2 * cfg.num_layers * 1000 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert (
+        armt.full_attention_kv_bytes(1000) == 2 * cfg.num_layers * 1000 * cfg.num_kv_heads * cfg.head_dim * 2
+    )
 
 
 def test_reference_init_and_errors():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +37,27 @@ class TinyTokenizer:
 
 def tiny_config(layers: int = 3) -> ModelConfig:
     """A 4-head GQA model with d = 32."""
-    return ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4,
-                       num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1000.0)
+    return ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=1000.0,
+    )
 
 
-def make_armt(layers: int = 3, segment_size: int = 8, mem: int = 4, dtype=jnp.float32, state_dtype=jnp.float32,
-              seed: int = 0) -> ARMTModel:
+def make_armt(
+    layers: int = 3,
+    segment_size: int = 8,
+    mem: int = 4,
+    dtype=jnp.float32,
+    state_dtype=jnp.float32,
+    seed: int = 0,
+) -> ARMTModel:
     """A tiny ARMT model with non-trivial norms and random (non-zero) memory weights."""
     model = Model.init(tiny_config(layers), seed=seed, dtype=dtype)
     layers_mod = model.module.layers
@@ -50,14 +65,19 @@ def make_armt(layers: int = 3, segment_size: int = 8, mem: int = 4, dtype=jnp.fl
     for i, name in enumerate(("input_norm", "post_norm")):
         p = getattr(layers_mod, name)
         p[...] = (1 + 0.3 * jax.random.normal(jax.random.fold_in(key, i), p.shape)).astype(dtype)
-    model.module.embed[...] = (0.5 * jax.random.normal(jax.random.fold_in(key, 7), model.module.embed.shape)
-                               ).astype(dtype)
-    armt = model.with_armt(ARMTConfig(segment_size, mem, d_mem=8, state_dtype=state_dtype), jax.random.key(seed + 1))
-    armt.cpu_execution = PIPELINE_ALWAYS  # short test inputs take the pipeline too (the CPU shortcut has its test)
+    model.module.embed[...] = (
+        0.5 * jax.random.normal(jax.random.fold_in(key, 7), model.module.embed.shape)
+    ).astype(dtype)
+    armt = model.with_armt(
+        ARMTConfig(segment_size, mem, d_mem=8, state_dtype=state_dtype), jax.random.key(seed + 1)
+    )
+    armt.cpu_execution = (
+        PIPELINE_ALWAYS  # short test inputs take the pipeline too (the CPU shortcut has its test)
+    )
     return armt.randomize_memory_params(jax.random.key(seed + 2), 1.0)
 
 
-@lru_cache(maxsize=None)
+@cache
 def shared_armt(layers: int = 3, segment_size: int = 8) -> ARMTModel:
     """One cached model per shape, so compiled schedules are reused across test files."""
     return make_armt(layers, segment_size)
@@ -72,8 +92,11 @@ def _rope(x, pos, theta):  # x [T, H, hd], pos [T]
     hd = x.shape[-1]
     inv = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
     ang = pos[:, None] * inv[None]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
-    rot = np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1)
+    cos, sin = (
+        np.cos(np.concatenate([ang, ang], -1))[:, None],
+        np.sin(np.concatenate([ang, ang], -1))[:, None],
+    )
+    rot = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
     return x * cos + rot * sin
 
 
@@ -97,7 +120,7 @@ def numpy_armt(armt: ARMTModel, ids: np.ndarray, use_memory: bool = True):
     z = [np.zeros(ac.d_key) for _ in range(L)]
     out = []
     for s, start in enumerate(range(0, len(ids), ac.segment_size)):
-        seg = ids[start:start + ac.segment_size]
+        seg = ids[start : start + ac.segment_size]
         h = np.concatenate([p["embed"][seg], mp["memory"]], 0)
         T = h.shape[0]
         pos = np.arange(T, dtype=np.float64)
@@ -132,6 +155,6 @@ def numpy_armt(armt: ARMTModel, ids: np.ndarray, use_memory: bool = True):
                     gamma = np.clip(1 - den / ((k * k).sum(-1) + 1e-5), 0, 1)
                 A[l] = A[l] + np.einsum("m,mk,md->kd", beta, k, v - vbar)
                 z[l] = z[l] + gamma @ k
-        x = _rms(h[:len(seg)], p["final_norm"], eps)
+        x = _rms(h[: len(seg)], p["final_norm"], eps)
         out.append(x @ p["lm_head"])
     return np.concatenate(out, 0), A, z

@@ -8,8 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlongctx.model.attention import (PREFILL_KEY_BLOCK, PREFILL_QUERY_BLOCK, attention, causal_prefill_attention,
-                                        decode_attention)
+from jaxlongctx.model.attention import (
+    PREFILL_KEY_BLOCK,
+    PREFILL_QUERY_BLOCK,
+    attention,
+    causal_prefill_attention,
+    decode_attention,
+)
 
 
 def _prefill_inputs(t: int, seed: int = 0):
@@ -23,11 +28,18 @@ def _prefill_inputs(t: int, seed: int = 0):
     return q, k, v, jnp.asarray(valid)
 
 
-@pytest.mark.parametrize("t, chunk, key_block", [
-    (2 * PREFILL_QUERY_BLOCK + 37, PREFILL_QUERY_BLOCK, PREFILL_KEY_BLOCK),  # the defaults, last block short
-    (200, 64, 32),  # key tiles smaller than query blocks
-    (200, 48, 64),  # block sizes that do not divide each other
-])
+@pytest.mark.parametrize(
+    "t, chunk, key_block",
+    [
+        (
+            2 * PREFILL_QUERY_BLOCK + 37,
+            PREFILL_QUERY_BLOCK,
+            PREFILL_KEY_BLOCK,
+        ),  # the defaults, last block short
+        (200, 64, 32),  # key tiles smaller than query blocks
+        (200, 48, 64),  # block sizes that do not divide each other
+    ],
+)
 def test_blocked_prefill_equals_full_attention(t, chunk, key_block):
     q, k, v, valid = _prefill_inputs(t)
     slots = jnp.broadcast_to(jnp.arange(t), (2, t))
@@ -48,8 +60,10 @@ def test_blocked_prefill_gradients_equal_full_attention():
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v) * weight)
 
-    blocked = jax.grad(loss(lambda q, k, v: causal_prefill_attention(q, k, v, valid, chunk=32, key_block=64)),
-                       argnums=(0, 1, 2))(q, k, v)
+    blocked = jax.grad(
+        loss(lambda q, k, v: causal_prefill_attention(q, k, v, valid, chunk=32, key_block=64)),
+        argnums=(0, 1, 2),
+    )(q, k, v)
     full = jax.grad(loss(lambda q, k, v: attention(q, k, v, slots, valid)), argnums=(0, 1, 2))(q, k, v)
     for got, want in zip(blocked, full):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
@@ -59,7 +73,9 @@ def test_decode_attention_equals_attention_over_the_written_cache():
     b, k_heads, groups, slots, hd, slot = 3, 2, 3, 40, 8, 29
     kq, kk, kv, kn, kw = jax.random.split(jax.random.key(1), 5)
     q = jax.random.normal(kq, (b, 1, k_heads * groups, hd))
-    cache_k = jax.random.normal(kk, (b, k_heads, slots, hd)) * 3.0  # large scores: the joint softmax must rescale
+    cache_k = (
+        jax.random.normal(kk, (b, k_heads, slots, hd)) * 3.0
+    )  # large scores: the joint softmax must rescale
     cache_v = jax.random.normal(kv, (b, k_heads, slots, hd))
     k_new, v_new = (jax.random.normal(key, (b, 1, k_heads, hd)) for key in (kn, kw))
     valid = np.ones((b, slots), bool)
@@ -74,4 +90,6 @@ def test_decode_attention_equals_attention_over_the_written_cache():
     visible = valid & (jnp.arange(slots) < slot)[None]
     got = decode_attention(q, cache_k, cache_v, k_new, v_new, visible)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(got[2, 0]), np.repeat(np.asarray(v_new[2, 0]), groups, axis=0), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(got[2, 0]), np.repeat(np.asarray(v_new[2, 0]), groups, axis=0), atol=1e-6
+    )

@@ -7,15 +7,18 @@ import io
 
 import numpy as np
 import pytest
+from gguf_synthetic import gpt2_chat_tokenizer, hf_weights, write_gguf
 
 import jaxlongctx
-from gguf_synthetic import gpt2_chat_tokenizer, hf_weights, write_gguf
 from jaxlongctx.chat import ChatSession, chat_messages, read_prompt_text, stop_ids, stream_answer
 from jaxlongctx.cli import main as cli_main
 from jaxlongctx.tokenizer import TextStream
 
-TEXTS = ["Hello there, how are you today? I am fine, thanks.", "def f(x):\n    return x + 1\n",
-         "The sky is blue because air scatters blue light more than red light."]
+TEXTS = [
+    "Hello there, how are you today? I am fine, thanks.",
+    "def f(x):\n    return x + 1\n",
+    "The sky is blue because air scatters blue light more than red light.",
+]
 CONTEXT = 128
 
 
@@ -24,8 +27,14 @@ def chat_gguf(tmp_path_factory):
     """A small random llama GGUF with a chat tokenizer (<|im_start|>/<|im_end|>, ids 1/2) and a
     CONTEXT-token context."""
     path = tmp_path_factory.mktemp("chat") / "chat.gguf"
-    write_gguf(path, "llama", hf_weights("llama", seed=3), "Q8_0", tokenizer=gpt2_chat_tokenizer(TEXTS),
-               context_length=CONTEXT)
+    write_gguf(
+        path,
+        "llama",
+        hf_weights("llama", seed=3),
+        "Q8_0",
+        tokenizer=gpt2_chat_tokenizer(TEXTS),
+        context_length=CONTEXT,
+    )
     return path
 
 
@@ -44,7 +53,7 @@ def test_read_prompt_text(tmp_path):
     assert read_prompt_text(None, None) is None
     with pytest.raises(ValueError, match="not both"):
         read_prompt_text("a", str(f))
-    with pytest.raises(ValueError, match="missing.txt: no such file"):
+    with pytest.raises(ValueError, match=r"missing\.txt: no such file"):
         read_prompt_text(None, str(tmp_path / "missing.txt"))
     f.write_bytes(b"\xff\xfe bad")
     with pytest.raises(ValueError, match="UTF-8"):
@@ -55,21 +64,22 @@ def test_stream_callback_sees_every_token(chat_model):
     ids = np.asarray([chat_model.tokenizer.encode(TEXTS[0]).ids] * 2, np.int32)
     seen = []
     out = jaxlongctx.generate(chat_model, ids, 12, eos_id=[], stream=lambda tok: seen.append(tok.copy()))
-    np.testing.assert_array_equal(np.stack(seen, axis=1), out[:, ids.shape[1]:])
+    np.testing.assert_array_equal(np.stack(seen, axis=1), out[:, ids.shape[1] :])
     np.testing.assert_array_equal(out, jaxlongctx.generate(chat_model, ids, 12, eos_id=[]))
 
     pieces = []
     text = TextStream(chat_model.tokenizer, pieces.append)  # shows row 0
     jaxlongctx.generate(chat_model, ids, 12, eos_id=[], stream=text)
     text.flush()
-    assert "".join(pieces) == text.text == chat_model.tokenizer.decode(out[0, ids.shape[1]:])
+    assert "".join(pieces) == text.text == chat_model.tokenizer.decode(out[0, ids.shape[1] :])
 
 
 def test_stream_stops_at_end_of_turn(chat_model):
     """Generation with a stop id ends right after it is generated; its text is not shown."""
-    prompt = chat_model.tokenizer.apply_chat_template(chat_messages(TEXTS[2]), add_generation_prompt=True,
-                                                     tokenize=True)
-    free = jaxlongctx.generate(chat_model, np.asarray([prompt]), 24, eos_id=[])[0, len(prompt):].tolist()
+    prompt = chat_model.tokenizer.apply_chat_template(
+        chat_messages(TEXTS[2]), add_generation_prompt=True, tokenize=True
+    )
+    free = jaxlongctx.generate(chat_model, np.asarray([prompt]), 24, eos_id=[])[0, len(prompt) :].tolist()
     stop = free[5]  # make the sixth token a stop id
     answer = stream_answer(chat_model, prompt, lambda piece: None, max_new_tokens=24, stop=(stop,))
     first = free.index(stop)
@@ -84,7 +94,8 @@ def test_chat_session_history_reset_trim_and_interrupt(chat_model):
     assert [m["role"] for m in session.history] == ["user", "assistant", "user", "assistant"]
     assert session.history[1]["content"] == a1.text
     rendered = chat_model.tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Be brief."}] + session.history[:3], add_generation_prompt=True)
+        [{"role": "system", "content": "Be brief."}] + session.history[:3], add_generation_prompt=True
+    )
     assert "Be brief." in rendered and "Hello there" in rendered and "How are you?" in rendered
     assert session.stop == stop_ids(chat_model) and 2 in session.stop
 
@@ -99,7 +110,9 @@ def test_chat_session_history_reset_trim_and_interrupt(chat_model):
     long = ChatSession(chat_model, max_new_tokens=8)  # CONTEXT - 8 tokens for the prompt
     for _ in range(8):
         long.reply(TEXTS[2], lambda piece: None)
-        sent = chat_model.tokenizer.apply_chat_template(long.history[:-1], add_generation_prompt=True, tokenize=True)
+        sent = chat_model.tokenizer.apply_chat_template(
+            long.history[:-1], add_generation_prompt=True, tokenize=True
+        )
         assert len(sent) <= CONTEXT - 8  # the prompt of the last reply
     assert 2 <= len(long.history) < 16  # oldest exchanges dropped to fit
     with pytest.raises(ValueError, match=f"at most {CONTEXT - 8} fit"):
@@ -119,14 +132,15 @@ def test_generate_command_prompt_file_and_chat_on_stdin(chat_gguf, chat_model, t
     base = ["generate", "--ckpt", str(chat_gguf), "--max-new-tokens", "10"]
     assert cli_main(base + ["--prompt-file", str(f)]) == 0
     ids = np.asarray([chat_model.tokenizer.encode(TEXTS[2]).ids])
-    expected = chat_model.tokenizer.decode(jaxlongctx.generate(chat_model, ids, 10)[0, ids.shape[1]:])
+    expected = chat_model.tokenizer.decode(jaxlongctx.generate(chat_model, ids, 10)[0, ids.shape[1] :])
     assert capsys.readouterr().out == expected + "\n"
 
     monkeypatch.setattr("sys.stdin", io.StringIO(TEXTS[0] + "\n"))
     assert cli_main(base + ["--chat", "--system", "Be brief.", "--prompt", "-"]) == 0
-    prompt = chat_model.tokenizer.apply_chat_template(chat_messages(TEXTS[0], "Be brief."), add_generation_prompt=True,
-                                                     tokenize=True)
-    free = jaxlongctx.generate(chat_model, np.asarray([prompt]), 10, eos_id=[])[0, len(prompt):].tolist()
+    prompt = chat_model.tokenizer.apply_chat_template(
+        chat_messages(TEXTS[0], "Be brief."), add_generation_prompt=True, tokenize=True
+    )
+    free = jaxlongctx.generate(chat_model, np.asarray([prompt]), 10, eos_id=[])[0, len(prompt) :].tolist()
     stops = set(stop_ids(chat_model))
     end = next((i for i, t in enumerate(free) if t in stops), len(free))
     assert capsys.readouterr().out == chat_model.tokenizer.decode(free[:end]) + "\n"
@@ -150,21 +164,31 @@ def test_chat_templates_render_as_transformers_renders_them(chat_gguf, chat_mode
     from jaxlongctx.chat_template import render_chat
 
     ref = AutoTokenizer.from_pretrained(chat_gguf.parent, gguf_file=chat_gguf.name)
-    messages = [{"role": "system", "content": "Sé breve."}, {"role": "user", "content": "  Hola, ¿qué tal? 日本 "},
-                {"role": "assistant", "content": "Bien."}]
+    messages = [
+        {"role": "system", "content": "Sé breve."},
+        {"role": "user", "content": "  Hola, ¿qué tal? 日本 "},
+        {"role": "assistant", "content": "Bien."},
+    ]
     for template in _TEMPLATES:
         for gen in (True, False):
-            ours = render_chat(template, messages, add_generation_prompt=gen,
-                               special_tokens=chat_model.tokenizer.special_tokens)
-            assert ours == ref.apply_chat_template(messages, chat_template=template, add_generation_prompt=gen,
-                                                   tokenize=False), template
+            ours = render_chat(
+                template,
+                messages,
+                add_generation_prompt=gen,
+                special_tokens=chat_model.tokenizer.special_tokens,
+            )
+            assert ours == ref.apply_chat_template(
+                messages, chat_template=template, add_generation_prompt=gen, tokenize=False
+            ), template
 
 
 def test_chat_template_errors():
     from jaxlongctx.chat_template import ChatTemplateError, render_chat
 
-    refuses_tools = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
-                     "{% endif %}{% endfor %}")
+    refuses_tools = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+        "{% endif %}{% endfor %}"
+    )
     with pytest.raises(ChatTemplateError, match="refused the messages: no tools"):
         render_chat(refuses_tools, [{"role": "tool", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="message 0 must be a dict"):

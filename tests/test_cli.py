@@ -21,8 +21,20 @@ def test_help_lists_every_command(capsys):
 
 
 def test_demo_runs_end_to_end_on_shipped_models(capsys):
-    args = ["demo", "--context", "640", "--samples", "1", "--prompt-tokens", "300", "--new-tokens", "3", "--json",
-            "--real-doc-tokens", "0"]  # the real-model part has its own tests (test_demo_real_model.py)
+    args = [
+        "demo",
+        "--context",
+        "640",
+        "--samples",
+        "1",
+        "--prompt-tokens",
+        "300",
+        "--new-tokens",
+        "3",
+        "--json",
+        "--real-doc-tokens",
+        "0",
+    ]  # the real-model part has its own tests (test_demo_real_model.py)
     assert main(args) == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
@@ -58,7 +70,10 @@ def test_generate_ids_and_text(hf_family_dir, tmp_path, capsys):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(d / "tokenizer.json"))
-    assert main(["generate", "--ckpt", str(d), "--prompt", "the code of the box is", "--max-new-tokens", "4"]) == 0
+    assert (
+        main(["generate", "--ckpt", str(d), "--prompt", "the code of the box is", "--max-new-tokens", "4"])
+        == 0
+    )
     assert len(capsys.readouterr().out.split()) == 4
 
 
@@ -66,23 +81,82 @@ def test_generate_with_armt_and_pq_options(hf_family_dir, tmp_path, capsys):
     from jaxlongctx.demo import ARMT_MODEL, BASE_CODEBOOKS, BASE_MODEL
 
     src, _ = hf_family_dir("llama2")
-    assert main(["generate", "--ckpt", str(src), "--ids", "5 6 7 8 9", "--max-new-tokens", "3",
-                 "--armt-segment", "2", "--armt-mem", "2"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--ckpt",
+                str(src),
+                "--ids",
+                "5 6 7 8 9",
+                "--max-new-tokens",
+                "3",
+                "--armt-segment",
+                "2",
+                "--armt-mem",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert len(capsys.readouterr().out.split()) == 3
-    assert main(["generate", "--ckpt", str(ARMT_MODEL), "--prompt", "The code of the red box is", "--max-new-tokens",
-                 "2"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--ckpt",
+                str(ARMT_MODEL),
+                "--prompt",
+                "The code of the red box is",
+                "--max-new-tokens",
+                "2",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     # a held-out haystack whose asked fact the fixed grid splits: answered with sentence segments
     sample = held_out_batch(range(3, 4), 512, load_default_tokenizer(), num_facts=1, split_segment=128)
     ids = " ".join(map(str, sample["ids"][0]))
-    assert main(["generate", "--ckpt", str(ARMT_MODEL), "--ids", ids, "--max-new-tokens", "4",
-                 "--armt-segmentation", "sentences"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--ckpt",
+                str(ARMT_MODEL),
+                "--ids",
+                ids,
+                "--max-new-tokens",
+                "4",
+                "--armt-segmentation",
+                "sentences",
+            ]
+        )
+        == 0
+    )
     code = load_default_tokenizer().decode(sample["answer_ids"][0].tolist())
     assert capsys.readouterr().out.strip() == code.strip()
     assert main(["generate", "--ckpt", str(src), "--ids", "5", "--armt-segmentation", "sentences"]) == 2
     assert "applies to ARMT models" in capsys.readouterr().err
-    assert main(["generate", "--ckpt", str(BASE_MODEL), "--ids", "5 6 7", "--max-new-tokens", "2", "--kv-cache", "pq",
-                 "--codebooks", str(BASE_CODEBOOKS), "--stats"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--ckpt",
+                str(BASE_MODEL),
+                "--ids",
+                "5 6 7",
+                "--max-new-tokens",
+                "2",
+                "--kv-cache",
+                "pq",
+                "--codebooks",
+                str(BASE_CODEBOOKS),
+                "--stats",
+            ]
+        )
+        == 0
+    )
     stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert stats
     assert main(["generate", "--ckpt", str(src), "--ids", "5", "--kv-cache", "pq"]) == 2

@@ -7,10 +7,10 @@ import shutil
 
 import numpy as np
 import pytest
+from hf_oracle import make_hf_model
 from safetensors.numpy import load_file, save_file
 
 from convert.hf_llama import ConversionError, convert_hf_to_ckpt, export_ckpt_to_hf, main
-from hf_oracle import make_hf_model
 from jaxlongctx.config import ConfigError
 
 
@@ -48,7 +48,10 @@ def test_unknown_tensor(hf_copy, tmp_path):
 
 
 def test_wrong_shape(hf_copy, tmp_path):
-    _edit(hf_copy, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", np.zeros((3, 64), np.float32)))
+    _edit(
+        hf_copy,
+        lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", np.zeros((3, 64), np.float32)),
+    )
     _expect_failure(hf_copy, tmp_path, r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(3, 64\)")
 
 
@@ -79,7 +82,7 @@ def test_pickled_checkpoint_refused(tmp_path):
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
-    with pytest.raises(ConversionError, match="pickled PyTorch files.*refused"):
+    with pytest.raises(ConversionError, match=r"pickled PyTorch files.*refused"):
         from convert.hf_llama import SafetensorsReader
 
         SafetensorsReader(d)
@@ -108,7 +111,6 @@ def test_round_trip_is_bit_exact(tmp_path, dtype):
 def test_exported_model_loads_in_transformers(tmp_path, hf_family_dir):
     import torch
     import transformers
-
     from hf_oracle import hf_logits
 
     src, hf = hf_family_dir("qwen3")

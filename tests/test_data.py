@@ -18,7 +18,8 @@ from jaxlongctx.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_default_token
 MANIFEST = json.loads(tokenizer.MANIFEST_PATH.read_text(encoding="utf-8"))
 same_python = pytest.mark.skipif(
     sys.version.split()[0] != MANIFEST["python_version"],
-    reason=f"assets were built with Python {MANIFEST['python_version']}")
+    reason=f"assets were built with Python {MANIFEST['python_version']}",
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,7 @@ def tok():
 
 
 # ----------------------------------------------------------------------------- corpus
+
 
 def test_modules_list_is_sorted_and_unique():
     assert list(corpus.MODULES) == sorted(set(corpus.MODULES))
@@ -80,16 +82,20 @@ def test_split_sha1_rejects_unknown_split():
 
 # -------------------------------------------------------------------------- tokenizer
 
+
 def test_special_tokens_and_vocab(tok):
     assert tok.get_vocab_size() == 4096
     assert [tok.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>")] == [PAD_ID, BOS_ID, EOS_ID]
 
 
-@pytest.mark.parametrize("text", [
-    "def f(x):\n\treturn x ** 2  # trailing  ",
-    "naïve café, Straße, 東京, Ωμέγα, emoji 🤖🎉, zero\u200bwidth, \r\n crlf",
-    "The code of the blue box is 0471.",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "def f(x):\n\treturn x ** 2  # trailing  ",
+        "naïve café, Straße, 東京, Ωμέγα, emoji 🤖🎉, zero\u200bwidth, \r\n crlf",
+        "The code of the blue box is 0471.",
+    ],
+)
 def test_tokenizer_round_trips(tok, text):
     assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
 
@@ -125,6 +131,7 @@ def test_encode_corpus(tok):
 
 # --------------------------------------------------------------------------- haystack
 
+
 def _check_sample(sample: haystack.HaystackSample, tok, length: int, num_facts: int) -> None:
     """Exact length, facts decodable at their positions, answer right after the prompt."""
     assert sample.ids.dtype == np.int32 and sample.ids.shape == (length,)
@@ -133,15 +140,18 @@ def _check_sample(sample: haystack.HaystackSample, tok, length: int, num_facts: 
     assert np.all(np.diff(sample.fact_positions) >= 0)
     for fact, pos in zip(sample.facts, sample.fact_positions):
         n = len(tok.encode(fact, add_special_tokens=False).ids)
-        assert tok.decode(sample.ids[pos:pos + n].tolist()) == fact
-    assert sample.facts == tuple(f" The code of the {s} is {c}." for s, c in zip(sample.subjects, sample.codes))
-    fixed = 1 + sum(len(tok.encode(text, add_special_tokens=False).ids) for text in (*sample.facts, sample.question))
+        assert tok.decode(sample.ids[pos : pos + n].tolist()) == fact
+    assert sample.facts == tuple(
+        f" The code of the {s} is {c}." for s, c in zip(sample.subjects, sample.codes)
+    )
+    fixed = 1 + sum(
+        len(tok.encode(text, add_special_tokens=False).ids) for text in (*sample.facts, sample.question)
+    )
     assert sample.filler_tokens == length - fixed
     target = sample.facts[sample.target_fact]
     assert target.endswith(f" is {sample.answer}.")
     subject = target.removeprefix(" The code of the ").split(" is ")[0]
-    assert sample.question == (f"\nWhat is the code of the {subject}? "
-                               f"The code of the {subject} is ")
+    assert sample.question == (f"\nWhat is the code of the {subject}? The code of the {subject} is ")
     q = len(tok.encode(sample.question, add_special_tokens=False).ids)
     assert tok.decode(sample.ids[-q:].tolist()) == sample.question
     assert sample.answer_ids.shape == (CODE_DIGITS,)
@@ -149,11 +159,11 @@ def _check_sample(sample: haystack.HaystackSample, tok, length: int, num_facts: 
     # The answer tokens inside the target fact are exactly the tokens to predict.
     prefix = len(tok.encode(target.split(" is ")[0] + " is ", add_special_tokens=False).ids)
     start = sample.fact_positions[sample.target_fact] + prefix
-    np.testing.assert_array_equal(sample.ids[start:start + CODE_DIGITS], sample.answer_ids)
+    np.testing.assert_array_equal(sample.ids[start : start + CODE_DIGITS], sample.answer_ids)
     # Re-tokenizing the fact on its own gives the spliced tokens.
     fact_ids = tok.encode(target, add_special_tokens=False).ids
     pos = sample.fact_positions[sample.target_fact]
-    assert sample.ids[pos:pos + len(fact_ids)].tolist() == fact_ids
+    assert sample.ids[pos : pos + len(fact_ids)].tolist() == fact_ids
 
 
 @pytest.mark.parametrize("length,num_facts", [(512, 4), (1000, 1), (4096, 8), (2048, 16)])
@@ -189,8 +199,9 @@ def test_shared_word_samples_are_near_misses(tok):
     most = haystack.MAX_SHARED_WORD_FACTS
     full = make_sample(4, 4096, tok, num_facts=most, shared_word=True)
     asked = full.subjects[full.target_fact].split()
-    assert len(set(full.subjects)) == most and all(asked[0] in s.split() or asked[1] in s.split()
-                                                  for s in full.subjects)
+    assert len(set(full.subjects)) == most and all(
+        asked[0] in s.split() or asked[1] in s.split() for s in full.subjects
+    )
     again = make_sample(4, 4096, tok, num_facts=most, shared_word=True)
     assert again.subjects == full.subjects and np.array_equal(again.ids, full.ids)
     with pytest.raises(ValueError, match="with shared_word"):
@@ -214,14 +225,15 @@ def test_facts_at_different_depths(tok):
 def test_code_offset_and_split_by_boundary(tok):
     sample = make_sample(4, 2048, tok, num_facts=3)
     batch = make_batch(4, 1, 2048, tok, num_facts=3)
-    for fact, text in enumerate(sample.facts):
+    for fact in range(len(sample.facts)):
         start = int(sample.fact_positions[fact]) + haystack.code_offset(sample, fact, tok)
-        assert tok.decode(sample.ids[start:start + CODE_DIGITS].tolist()) == sample.codes[fact]
-        head = tok.decode(sample.ids[sample.fact_positions[fact]:start].tolist())
+        assert tok.decode(sample.ids[start : start + CODE_DIGITS].tolist()) == sample.codes[fact]
+        head = tok.decode(sample.ids[sample.fact_positions[fact] : start].tolist())
         assert head.strip() == f"The code of the {sample.subjects[fact]} is"
     asked = make_sample(np.random.default_rng([4, 0]), 2048, tok, num_facts=3)
     assert batch["code_start"][0] == asked.fact_positions[asked.target_fact] + haystack.code_offset(
-        asked, asked.target_fact, tok)
+        asked, asked.target_fact, tok
+    )
     # segments of 8: the boundary at 16 splits codes starting at 13..18 (from " is" at 16 to the last digit at 16)
     split = haystack.code_split_by_boundary(np.arange(11, 21), 8)
     assert np.flatnonzero(split).tolist() == [2, 3, 4, 5, 6, 7] and split.shape == (10,)
@@ -241,9 +253,16 @@ def test_shift_facts_earlier_keeps_facts_and_length(tok):
     np.testing.assert_array_equal(moved.fact_positions, sample.fact_positions - shift)
     assert moved.fact_positions[0] == 1  # the first fact now follows <bos>
     question = len(tok.encode(sample.question, add_special_tokens=False).ids)
-    np.testing.assert_array_equal(moved.ids[1:-question - shift], sample.ids[1 + shift:-question])  # same text, moved
-    assert not np.array_equal(moved.ids[-question - shift:-question], sample.ids[1:1 + shift])  # new filler
-    assert haystack.shift_facts_earlier(sample, 0, tok, np.random.default_rng(0)).ids.tolist() == sample.ids.tolist()
+    np.testing.assert_array_equal(
+        moved.ids[1 : -question - shift], sample.ids[1 + shift : -question]
+    )  # same text, moved
+    assert not np.array_equal(
+        moved.ids[-question - shift : -question], sample.ids[1 : 1 + shift]
+    )  # new filler
+    assert (
+        haystack.shift_facts_earlier(sample, 0, tok, np.random.default_rng(0)).ids.tolist()
+        == sample.ids.tolist()
+    )
     with pytest.raises(ValueError, match="shift"):
         haystack.shift_facts_earlier(sample, shift + 1, tok, np.random.default_rng(0))
 
@@ -259,10 +278,14 @@ def test_split_asked_fact_puts_a_boundary_inside_the_fact(tok):
         moved_code = int(split.fact_positions[asked]) + haystack.code_offset(split, asked, tok)
         assert (moved_code + offset) % 16 == 0 and haystack.code_split_by_boundary(np.array(moved_code), 16)
         assert 0 <= code_at - moved_code < 16
-    first = haystack.shift_facts_earlier(sample, int(sample.fact_positions[0]) - 1, tok, np.random.default_rng(0))
+    first = haystack.shift_facts_earlier(
+        sample, int(sample.fact_positions[0]) - 1, tok, np.random.default_rng(0)
+    )
     code_at = int(first.fact_positions[asked]) + haystack.code_offset(first, asked, tok)
     offset = next(o for o in range(-haystack.TOKENS_BEFORE_CODE, haystack.CODE_DIGITS) if (code_at + o) % 16)
-    assert haystack.split_asked_fact(first, offset, 16, tok, np.random.default_rng(0)) is None  # no filler ahead
+    assert (
+        haystack.split_asked_fact(first, offset, 16, tok, np.random.default_rng(0)) is None
+    )  # no filler ahead
     with pytest.raises(ValueError, match="offset"):
         haystack.split_asked_fact(sample, haystack.CODE_DIGITS, 16, tok, np.random.default_rng(0))
 
@@ -275,7 +298,9 @@ def test_held_out_split_batch_splits_every_asked_fact(tok):
     redrawn = (whole["answer_ids"] != plain["answer_ids"]).any(axis=1)  # asked fact too early to shift
     assert 0 < redrawn.sum() < 12
     assert haystack.code_split_by_boundary(whole["code_start"], 128).all() and whole["ids"].shape == (12, 512)
-    parts = [haystack.held_out_batch(r, 512, tok, num_facts=1, split_segment=128) for r in (range(5), range(5, 12))]
+    parts = [
+        haystack.held_out_batch(r, 512, tok, num_facts=1, split_segment=128) for r in (range(5), range(5, 12))
+    ]
     for key, value in whole.items():
         np.testing.assert_array_equal(value, np.concatenate([p[key] for p in parts]))
     with pytest.raises(ValueError, match="too short"):
@@ -285,17 +310,23 @@ def test_held_out_split_batch_splits_every_asked_fact(tok):
 def test_minimum_length(tok):
     # Facts and question depend only on the seed, so zero filler is reachable exactly.
     probe = make_sample(5, 512, tok)
-    overhead = 1 + sum(len(tok.encode(text, add_special_tokens=False).ids)
-                       for text in (*probe.facts, probe.question))
+    overhead = 1 + sum(
+        len(tok.encode(text, add_special_tokens=False).ids) for text in (*probe.facts, probe.question)
+    )
     _check_sample(make_sample(5, overhead, tok), tok, overhead, 4)
     with pytest.raises(ValueError, match="too small"):
         make_sample(5, overhead - 1, tok)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"num_facts": 0}, "num_facts"), ({"num_facts": 1000}, "num_facts"),
-    ({"target_depth": 1.5}, "target_depth"), ({"length_tokens": 30}, "too small"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_facts": 0}, "num_facts"),
+        ({"num_facts": 1000}, "num_facts"),
+        ({"target_depth": 1.5}, "target_depth"),
+        ({"length_tokens": 30}, "too small"),
+    ],
+)
 def test_bad_arguments(tok, kwargs, match):
     args = {"length_tokens": 512} | kwargs
     with pytest.raises(ValueError, match=match):
@@ -339,14 +370,15 @@ def _occurs_in(span: np.ndarray, tokens: np.ndarray) -> bool:
 def test_filler_split_changes_the_filler_only(tok):
     val, train = make_sample(5, 2048, tok), make_sample(5, 2048, tok, filler_split="train")
     assert (val.codes, val.subjects, val.question) == (train.codes, train.subjects, train.question)
-    first = lambda s: s.ids[1:s.fact_positions[0]][:64]  # filler before the first fact  # noqa: E731
+    first = lambda s: s.ids[1 : s.fact_positions[0]][:64]  # filler before the first fact
     assert first(val).size == first(train).size == 64
     assert _occurs_in(first(val), tokenizer.encode_corpus("validation", tok))
     assert _occurs_in(first(train), tokenizer.encode_corpus("train", tok))
     assert not _occurs_in(first(train), tokenizer.encode_corpus("validation", tok))
     batch = make_batch(3, 2, 1024, tok, filler_split="train")
-    np.testing.assert_array_equal(batch["ids"][1], make_sample(np.random.default_rng([3, 1]), 1024, tok,
-                                                               filler_split="train").ids)
+    np.testing.assert_array_equal(
+        batch["ids"][1], make_sample(np.random.default_rng([3, 1]), 1024, tok, filler_split="train").ids
+    )
     with pytest.raises(ValueError, match="unknown split"):
         make_sample(0, 512, tok, filler_split="test")
 
@@ -381,9 +413,13 @@ def test_held_out_samples_at_a_target_depth_keep_their_codes_and_move_the_asked_
     """`target_depth` moves only the facts: sample i keeps its subjects and codes, and its asked fact
     lands near that share of the prompt (at the filler's nearest sentence end: a long sentence-free
     stretch, such as a table, can move it by a few percent of a short prompt)."""
-    near, far = (haystack.held_out_batch(range(6), 2048, tok, num_facts=3, target_depth=d) for d in (0.9, 0.1))
+    near, far = (
+        haystack.held_out_batch(range(6), 2048, tok, num_facts=3, target_depth=d) for d in (0.9, 0.1)
+    )
     np.testing.assert_array_equal(near["answer_ids"], far["answer_ids"])
-    np.testing.assert_array_equal(np.sort(near["fact_answer_ids"], axis=1), np.sort(far["fact_answer_ids"], axis=1))
+    np.testing.assert_array_equal(
+        np.sort(near["fact_answer_ids"], axis=1), np.sort(far["fact_answer_ids"], axis=1)
+    )
     for batch, depth in ((near, 0.9), (far, 0.1)):
         asked = batch["fact_positions"][np.arange(6), batch["target_fact"]] / 2048
         off = np.abs(asked - depth)

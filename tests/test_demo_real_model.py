@@ -6,7 +6,14 @@ import pytest
 from tokenizers import Tokenizer
 
 import jaxlongctx.pretrained as pretrained
-from jaxlongctx.demo import ASSETS, REAL_ANSWER, REAL_FACT, REAL_QUESTION, real_document_messages, real_model_part
+from jaxlongctx.demo import (
+    ASSETS,
+    REAL_ANSWER,
+    REAL_FACT,
+    REAL_QUESTION,
+    real_document_messages,
+    real_model_part,
+)
 
 
 def test_document_plants_the_fact_and_asks_the_question():
@@ -15,9 +22,13 @@ def test_document_plants_the_fact_and_asks_the_question():
     text = message["content"]
     assert message["role"] == "user" and text.count(REAL_FACT) == 1 and text.endswith(REAL_QUESTION)
     document = text[: text.index("\n\nAnswer from the text above.")]
-    assert 1000 < len(tok.encode(document, add_special_tokens=False).ids) <= 1500 + 64  # + the fact and separators
+    assert (
+        1000 < len(tok.encode(document, add_special_tokens=False).ids) <= 1500 + 64
+    )  # + the fact and separators
     before, after = document.split(REAL_FACT)
-    assert len(before) > 0.2 * len(document) and len(after) > 0.2 * len(document)  # planted inside, not at an end
+    assert len(before) > 0.2 * len(document) and len(after) > 0.2 * len(
+        document
+    )  # planted inside, not at an end
 
 
 def test_missing_model_package_is_skipped_with_the_install_command(monkeypatch):

@@ -8,8 +8,16 @@ import pytest
 import jaxlongctx
 from jaxlongctx.config import ModelConfig
 
-CFG = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=12, eos_token_id=2)
+CFG = ModelConfig(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=12,
+    eos_token_id=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +54,8 @@ def test_rows_stop_independently_at_eos(model):
     stop_tok = int(free[0, 7])  # make row 0's third generated token the eos
     out = jaxlongctx.generate(model, ids, 10, eos_id=stop_tok)
     first = int(np.argmax(free[0, 5:] == stop_tok))
-    assert (out[0, 5 + first:] == stop_tok).all()
-    np.testing.assert_array_equal(out[0, :5 + first], free[0, :5 + first])
+    assert (out[0, 5 + first :] == stop_tok).all()
+    np.testing.assert_array_equal(out[0, : 5 + first], free[0, : 5 + first])
 
 
 def test_sampling_is_seeded_and_respects_top_k(model):
@@ -61,11 +69,14 @@ def test_sampling_is_seeded_and_respects_top_k(model):
     np.testing.assert_array_equal(nucleus, jaxlongctx.generate(model, ids, 12, eos_id=-1))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=-1.0), "temperature"),
-    (dict(top_k=0), "top_k"),
-    (dict(top_p=1.5), "top_p"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_p=1.5), "top_p"),
+    ],
+)
 def test_bad_sampling_options(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         jaxlongctx.generate(model, np.array([[3, 4]]), 2, **kwargs)

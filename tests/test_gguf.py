@@ -10,18 +10,28 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf_synthetic import (
+    ARCHS,
+    K_BLOCKS,
+    VOCAB,
+    gpt2_chat_tokenizer,
+    hf_config,
+    hf_weights,
+    llama_cpp_permute,
+    write_gguf,
+)
 
 import jaxlongctx
 from convert.gguf_llama import SUPPORTED_TYPES, load_gguf, open_for_import
 from convert.hf_llama import ConversionError, stack_params, tensor_rules
-from gguf_synthetic import (ARCHS, K_BLOCKS, VOCAB, gpt2_chat_tokenizer, hf_config, hf_weights, llama_cpp_permute,
-                            write_gguf)
 from jaxlongctx.chat import chat_messages
 from jaxlongctx.cli import main as cli_main
 from jaxlongctx.pretrained import smollm2_gguf
 
-CHAT = [{"role": "system", "content": "You are a concise assistant."},
-        {"role": "user", "content": "Name three colours of the rainbow and say why the sky is blue."}]
+CHAT = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "Name three colours of the rainbow and say why the sky is blue."},
+]
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
     "def area(r: float) -> float:\n    return 3.14159 * r ** 2  # circle\n\tprint('done')",
@@ -34,6 +44,7 @@ TEXTS = [
 
 
 # --- SmolLM2-135M-Instruct against transformers -----------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def smollm2():
@@ -80,10 +91,10 @@ def test_smollm2_greedy_32_tokens(smollm2, hf_smollm2):
     import torch
 
     ids = np.asarray([smollm2.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)])
-    ours = jaxlongctx.generate(smollm2, ids, 32, eos_id=[])[0, ids.shape[1]:]
+    ours = jaxlongctx.generate(smollm2, ids, 32, eos_id=[])[0, ids.shape[1] :]
     with torch.no_grad():
         ref = hf_smollm2[0].generate(torch.tensor(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False)
-    np.testing.assert_array_equal(ours, ref[0, ids.shape[1]:].numpy())
+    np.testing.assert_array_equal(ours, ref[0, ids.shape[1] :].numpy())
 
 
 def _long_prompt(tokenizer, n: int) -> np.ndarray:
@@ -91,7 +102,7 @@ def _long_prompt(tokenizer, n: int) -> np.ndarray:
     import json as json_module
 
     text = "".join(p.read_text() for p in sorted(Path(json_module.__file__).parent.glob("*.py")))
-    body = tokenizer.decode(tokenizer.encode(text).ids[:n - 40])
+    body = tokenizer.decode(tokenizer.encode(text).ids[: n - 40])
     messages = [{"role": "user", "content": body + "\n\nSummarise this code in one sentence."}]
     return np.asarray([tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)])
 
@@ -116,8 +127,9 @@ def test_smollm2_convert_and_export_match_transformers(smollm2, hf_smollm2, tmp_
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     _assert_logits_match(_torch_logits(exported, ids), _torch_logits(hf_smollm2[0], ids))
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    assert (hf_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
-            == hf_smollm2[1].apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False))
+    assert hf_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False) == hf_smollm2[
+        1
+    ].apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     assert all(hf_tok(t).input_ids == hf_smollm2[1](t).input_ids for t in TEXTS)
 
 
@@ -134,17 +146,27 @@ def test_smollm2_tokenizer_matches_transformers(smollm2, hf_smollm2):
 
 def test_smollm2_chat_template_matches_transformers(smollm2, hf_smollm2):
     ref = hf_smollm2[1]
-    conversations = [CHAT, CHAT[1:], CHAT + [{"role": "assistant", "content": "Red, green, blue."},
-                                              {"role": "user", "content": "Thanks! And at sunset?"}]]
+    conversations = [
+        CHAT,
+        CHAT[1:],
+        CHAT
+        + [
+            {"role": "assistant", "content": "Red, green, blue."},
+            {"role": "user", "content": "Thanks! And at sunset?"},
+        ],
+    ]
     for messages in conversations:
         for gen in (True, False):
             ours = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=gen)
             assert ours == ref.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
-            assert (smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
-                    == ref(ours, add_special_tokens=False).input_ids)
+            assert (
+                smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
+                == ref(ours, add_special_tokens=False).input_ids
+            )
 
 
 # --- synthetic files --------------------------------------------------------------------------
+
 
 def _torch_reference(arch: str, weights: dict[str, np.ndarray]):
     """A transformers model of `arch` holding `weights` (the float reference)."""
@@ -154,7 +176,9 @@ def _torch_reference(arch: str, weights: dict[str, np.ndarray]):
     cfg = hf_config(arch)
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k: torch.from_numpy(v) for k, v in weights.items()}, strict=False
+    )
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     return model
 
@@ -166,7 +190,12 @@ def test_architecture_logits_match_float_reference(arch, tmp_path):
     model = jaxlongctx.load(tmp_path / "m.gguf")
     c = model.config
     assert (c.model_type, c.qkv_bias, c.qk_norm, c.tie_word_embeddings, c.head_dim) == (
-        arch, ARCHS[arch]["qkv_bias"], ARCHS[arch]["qk_norm"], ARCHS[arch]["tie"], ARCHS[arch]["head_dim"])
+        arch,
+        ARCHS[arch]["qkv_bias"],
+        ARCHS[arch]["qk_norm"],
+        ARCHS[arch]["tie"],
+        ARCHS[arch]["head_dim"],
+    )
     ids = np.random.default_rng(0).integers(0, VOCAB, (2, 48)).astype(np.int32)
     ref = _torch_logits(_torch_reference(arch, weights), ids)
     np.testing.assert_allclose(np.asarray(model(ids)), ref, atol=1e-4 * np.abs(ref).max())
@@ -213,8 +242,16 @@ def _hf_rows_from_gguf(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 # Relative Frobenius error of a round trip through the type (the quantizer's own error, with margin).
-_TOLERANCE = {"F32": 0.0, "F16": 1e-3, "BF16": 5e-3, "Q8_0": 1e-2, "Q5_0": 0.06, "Q5_1": 0.06,
-              "Q4_0": 0.12, "Q4_1": 0.12}
+_TOLERANCE = {
+    "F32": 0.0,
+    "F16": 1e-3,
+    "BF16": 5e-3,
+    "Q8_0": 1e-2,
+    "Q5_0": 0.06,
+    "Q5_1": 0.06,
+    "Q4_0": 0.12,
+    "Q4_1": 0.12,
+}
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
@@ -276,7 +313,9 @@ def test_convert_cli_export_and_chat_files(tmp_path, capsys):
         assert direct.tokenizer.encode(text).ids == hf_tok(text).input_ids == gguf_tok(text).input_ids, text
     prompt = from_ckpt.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     assert prompt == hf_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
-    from_hf_dir = jaxlongctx.load(tmp_path / "hf").tokenizer  # HF directories: chat from tokenizer_config.json
+    from_hf_dir = jaxlongctx.load(
+        tmp_path / "hf"
+    ).tokenizer  # HF directories: chat from tokenizer_config.json
     assert from_hf_dir.apply_chat_template(CHAT, add_generation_prompt=True) == prompt
     assert from_ckpt.tokenizer.stop_ids[0] == 2
 
@@ -317,7 +356,7 @@ def _trained_sentencepiece_tokenizer() -> dict:
     head = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - len(head) + 64, show_progress=False)
     tok.train_from_iterator(TEXTS * 3, trainer)
-    pieces = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])][:VOCAB - len(head)]
+    pieces = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])][: VOCAB - len(head)]
     tokens = head + pieces + [f"<unused{i}>" for i in range(VOCAB - len(head) - len(pieces))]
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [5] * (VOCAB - len(head) - len(pieces))
     scores = [0.0] * len(head) + [-float(i) for i in range(VOCAB - len(head))]
@@ -327,7 +366,9 @@ def _trained_sentencepiece_tokenizer() -> dict:
 def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
     from transformers import AutoTokenizer
 
-    write_gguf(tmp_path / "m.gguf", "llama", hf_weights("llama"), tokenizer=_trained_sentencepiece_tokenizer())
+    write_gguf(
+        tmp_path / "m.gguf", "llama", hf_weights("llama"), tokenizer=_trained_sentencepiece_tokenizer()
+    )
     ours = load_gguf(tmp_path / "m.gguf").tokenizer
     ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
     for text in TEXTS + ["x", "  two leading spaces", "unseen 字 falls back to bytes"]:
@@ -352,7 +393,9 @@ def test_streaming_keeps_memory_near_one_tensor(tmp_path):
 
     tracemalloc.start()
     try:
-        stack_params(tensors, config, np.dtype(np.float32), tmp_path / "m.gguf", progress=False, allocate=buffer)
+        stack_params(
+            tensors, config, np.dtype(np.float32), tmp_path / "m.gguf", progress=False, allocate=buffer
+        )
         stack_peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.reset_peak()
         load_gguf(tmp_path / "m.gguf")
@@ -364,6 +407,7 @@ def test_streaming_keeps_memory_near_one_tensor(tmp_path):
 
 
 # --- bad files ---------------------------------------------------------------------------------
+
 
 def _bad_file(kind: str, tmp_path: Path) -> Path:
     import gguf
@@ -390,18 +434,21 @@ def _bad_file(kind: str, tmp_path: Path) -> Path:
     else:
         write_gguf(f, "llama", hf_weights("llama"), "Q4_0")
         data = f.read_bytes()
-        f.write_bytes(data[:200] if kind == "truncated_header" else data[:len(data) - 1000])
+        f.write_bytes(data[:200] if kind == "truncated_header" else data[: len(data) - 1000])
     return f
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("not_gguf", "not a GGUF file"),
-    ("unsupported_arch", "unsupported architecture 'phi2'"),
-    ("unsupported_type", "type Q2_K, which is not supported"),
-    ("bad_tokenizer", f"eos_token_id={VOCAB + 5} is outside the {VOCAB}-token vocabulary"),
-    ("truncated_header", "corrupt or truncated GGUF file"),
-    ("truncated_data", "truncated"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("not_gguf", "not a GGUF file"),
+        ("unsupported_arch", "unsupported architecture 'phi2'"),
+        ("unsupported_type", "type Q2_K, which is not supported"),
+        ("bad_tokenizer", f"eos_token_id={VOCAB + 5} is outside the {VOCAB}-token vocabulary"),
+        ("truncated_header", "corrupt or truncated GGUF file"),
+        ("truncated_data", "truncated"),
+    ],
+)
 def test_bad_file_is_a_clear_error_and_leaves_nothing(kind, message, tmp_path, capsys):
     f = _bad_file(kind, tmp_path)
     out = tmp_path / "out"
@@ -410,7 +457,9 @@ def test_bad_file_is_a_clear_error_and_leaves_nothing(kind, message, tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and str(f) in err, err
     assert set(tmp_path.iterdir()) == before  # no output, no temporary sibling
-    with pytest.raises(ConversionError, match=message):  # GGUFError for the file, ConversionError for its tokenizer
+    with pytest.raises(
+        ConversionError, match=message
+    ):  # GGUFError for the file, ConversionError for its tokenizer
         jaxlongctx.load(f)
 
 
@@ -418,11 +467,17 @@ def test_smollm2_generate_chat_stops_at_end_of_turn(smollm2, monkeypatch, capsys
     """`generate --chat --prompt -` (prompt on standard input) ends the answer at <|im_end|>, where the
     model, left to run, goes on into a new turn."""
     question = "What is the capital of France?"
-    prompt = smollm2.tokenizer.apply_chat_template(chat_messages(question), add_generation_prompt=True, tokenize=True)
-    free = jaxlongctx.generate(smollm2, np.asarray([prompt]), 24, eos_id=[])[0, len(prompt):].tolist()
+    prompt = smollm2.tokenizer.apply_chat_template(
+        chat_messages(question), add_generation_prompt=True, tokenize=True
+    )
+    free = jaxlongctx.generate(smollm2, np.asarray([prompt]), 24, eos_id=[])[0, len(prompt) :].tolist()
     end = free.index(2)  # <|im_end|>
-    assert 1 in free[end + 1:]  # <|im_start|>: a new turn
+    assert 1 in free[end + 1 :]  # <|im_start|>: a new turn
     monkeypatch.setattr("sys.stdin", io.StringIO(question + "\n"))
-    assert cli_main(["generate", "--ckpt", str(smollm2_gguf()), "--chat", "--prompt", "-",
-                     "--max-new-tokens", "24"]) == 0
+    assert (
+        cli_main(
+            ["generate", "--ckpt", str(smollm2_gguf()), "--chat", "--prompt", "-", "--max-new-tokens", "24"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == smollm2.tokenizer.decode(free[:end]) + "\n"

@@ -12,7 +12,10 @@ import pytest
 from pallas_kernels import grouped_matmul
 from pallas_kernels.grouped_matmul import grouped_matmul_reference
 
-pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"), pytest.mark.jaxmin]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"),
+    pytest.mark.jaxmin,
+]
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 
@@ -30,8 +33,9 @@ def _gmm(x, w, first_layer, num_active, backend):
 
 
 def _close(got, want, dtype):
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               atol=TOL[dtype], rtol=TOL[dtype])
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), atol=TOL[dtype], rtol=TOL[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -64,10 +68,12 @@ def test_traced_scalars_from_scan():
     def run(backend):
         def step(carry, n):
             return carry, grouped_matmul(x, w, jnp.int32(0), n, backend=backend)
+
         return jax.lax.scan(step, 0, jnp.arange(1, 5, dtype=jnp.int32))[1]  # [S G T N]
 
-    np.testing.assert_allclose(jax.jit(lambda: run("interpret"))(), jax.jit(lambda: run("xla"))(),
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        jax.jit(lambda: run("interpret"))(), jax.jit(lambda: run("xla"))(), atol=1e-4, rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -118,14 +124,17 @@ def test_auto_is_xla_on_cpu_and_bad_backend_named():
         grouped_matmul(x, w, 0, 2, backend="triton")
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda x, w: (x[0], w, 0, 1), "x must be"),
-    (lambda x, w: (x, w[:, :4], 0, 1), "contraction mismatch"),
-    (lambda x, w: (x.astype(jnp.int32), w, 0, 1), "x must be float32 or bfloat16"),
-    (lambda x, w: (x, w, jnp.zeros(2, jnp.int32), 1), "first_layer must be an integer scalar"),
-    (lambda x, w: (x, w, 0, 1.5), "num_active must be an integer scalar"),
-    (lambda x, w: (x, w, 1, 2), "first_layer \\+ num_active <= L=2"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda x, w: (x[0], w, 0, 1), "x must be"),
+        (lambda x, w: (x, w[:, :4], 0, 1), "contraction mismatch"),
+        (lambda x, w: (x.astype(jnp.int32), w, 0, 1), "x must be float32 or bfloat16"),
+        (lambda x, w: (x, w, jnp.zeros(2, jnp.int32), 1), "first_layer must be an integer scalar"),
+        (lambda x, w: (x, w, 0, 1.5), "num_active must be an integer scalar"),
+        (lambda x, w: (x, w, 1, 2), "first_layer \\+ num_active <= L=2"),
+    ],
+)
 def test_bad_inputs_raise_clear_errors(make, match):
     x, w = _inputs(2, 4, 8, 8, 2, jnp.float32)
     with pytest.raises(ValueError, match=match):
@@ -140,9 +149,10 @@ def test_gpu_pallas_matches_reference(dtype):
     for first, active in ((0, 16), (0, 1), (3, 7)):
         got = _gmm(x, w, jnp.int32(first), jnp.int32(active), "pallas")
         _close(got, grouped_matmul_reference(x, w, first, active), dtype)
-    loss = lambda x, w, b: jnp.sum(grouped_matmul(x, w, 2, 9, backend=b).astype(jnp.float32) ** 2)  # noqa: E731
+    loss = lambda x, w, b: jnp.sum(grouped_matmul(x, w, 2, 9, backend=b).astype(jnp.float32) ** 2)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
     for got, want in zip(grad(x, w, "pallas"), grad(x, w, "xla")):
         scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
-        np.testing.assert_allclose(np.asarray(got, np.float32) / scale, np.asarray(want, np.float32) / scale,
-                                   atol=TOL[dtype] * 4)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32) / scale, np.asarray(want, np.float32) / scale, atol=TOL[dtype] * 4
+        )

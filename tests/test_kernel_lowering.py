@@ -18,7 +18,10 @@ from pallas_kernels.grouped_matmul_kernel import GemmBlocks, choose_blocks, grou
 from pallas_kernels.pq_attention_kernel import PQBlocks, padded_group, pq_coded_partials_pallas
 from pallas_kernels.pq_attention_kernel import choose_blocks as choose_pq_blocks
 
-pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"), pytest.mark.jaxmin]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"),
+    pytest.mark.jaxmin,
+]
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
@@ -45,11 +48,12 @@ def test_grouped_matmul_forward_and_vjp_lower(shape, dtype):
     groups, tokens, depth, width = shape
 
     def fwd_and_grads(x, w, first, active):
-        loss = lambda x, w: jnp.sum(grouped_matmul(x, w, first, active, backend="pallas").astype(jnp.float32))  # noqa: E731
+        loss = lambda x, w: jnp.sum(grouped_matmul(x, w, first, active, backend="pallas").astype(jnp.float32))
         return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
 
-    text = _lower_for_h200(fwd_and_grads, _sds((groups, tokens, depth), dtype), _sds((16, depth, width), dtype),
-                           SCALAR, SCALAR)
+    text = _lower_for_h200(
+        fwd_and_grads, _sds((groups, tokens, depth), dtype), _sds((16, depth, width), dtype), SCALAR, SCALAR
+    )
     assert text.count(TRITON_CALL) == 3  # forward, dx (transposed weights), dw (transposed activations)
 
 
@@ -63,7 +67,7 @@ def test_grouped_matmul_defaults_are_powers_of_two():
 def test_non_power_of_two_gemm_block_is_rejected():
     """Proves the lowering really runs the Triton rules: interpret mode would accept a 48-row tile."""
     bad = GemmBlocks(rows=48, cols=32, depth=32, num_warps=4, num_stages=3)
-    fn = lambda x, w: grouped_matmul_pallas(x, w, 0, 2, blocks=bad)  # noqa: E731
+    fn = lambda x, w: grouped_matmul_pallas(x, w, 0, 2, blocks=bad)
     with pytest.raises(ValueError, match="power of 2"):
         _lower_for_h200(fn, _sds((2, 96, 64), jnp.float32), _sds((2, 64, 64), jnp.float32))
 
@@ -74,8 +78,17 @@ def _pq_structs(batch, kv_heads, group, head_dim, sub_dim, capacity, window, per
     codes = _sds((batch, kv_heads, capacity, subspaces), jnp.uint8)
     res = _sds((batch, kv_heads, window, head_dim), q_dtype)
     lengths = _sds((batch,), jnp.int32)
-    return (_sds((batch, kv_heads * group, head_dim), q_dtype), codes, codes, _sds(cent, cent_dtype),
-            _sds(cent, cent_dtype), lengths, res, res, lengths)
+    return (
+        _sds((batch, kv_heads * group, head_dim), q_dtype),
+        codes,
+        codes,
+        _sds(cent, cent_dtype),
+        _sds(cent, cent_dtype),
+        lengths,
+        res,
+        res,
+        lengths,
+    )
 
 
 # Every (head_dim, ds, group) the library targets; group 3 pads to 4, 2 and 16 complete the tile sizes.
@@ -87,7 +100,7 @@ def test_pq_attention_lowers(head_dim, sub_dim, group):
     per_head = group % 2 == 0  # alternate codebook sharing and dtypes across the sweep
     q_dtype = jnp.bfloat16 if sub_dim == 4 else jnp.float32
     structs = _pq_structs(3, 8, group, head_dim, sub_dim, 1000, 128, per_head, q_dtype, q_dtype)
-    fn = lambda *a: pq_decode_attention(*a, head_dim ** -0.5, backend="pallas")  # noqa: E731
+    fn = lambda *a: pq_decode_attention(*a, head_dim**-0.5, backend="pallas")
     assert _lower_for_h200(fn, *structs).count(TRITON_CALL) == 1
 
 
@@ -102,11 +115,17 @@ def test_pq_default_tiles_cover_every_size():
 
 def test_non_power_of_two_token_tile_is_rejected():
     bad = PQBlocks(tokens=24, tiles_per_split=2, num_splits=2, num_warps=4)
-    fn = lambda lut, kc, vc, cent, n: pq_coded_partials_pallas(lut, kc, vc, cent, n, blocks=bad)  # noqa: E731
+    fn = lambda lut, kc, vc, cent, n: pq_coded_partials_pallas(lut, kc, vc, cent, n, blocks=bad)
     codes = _sds((1, 2, 96, 32), jnp.uint8)
     with pytest.raises(ValueError, match="power of 2"):
-        _lower_for_h200(fn, _sds((1, 2, 4, 32, 256), jnp.float32), codes, codes,
-                        _sds((1, 32, 256, 2), jnp.float32), _sds((1,), jnp.int32))
+        _lower_for_h200(
+            fn,
+            _sds((1, 2, 4, 32, 256), jnp.float32),
+            codes,
+            codes,
+            _sds((1, 32, 256, 2), jnp.float32),
+            _sds((1,), jnp.int32),
+        )
 
 
 def _abstract_armt(dtype):
@@ -121,18 +140,34 @@ def _abstract_armt(dtype):
     from jaxlongctx.checkpoint import abstract_model
     from jaxlongctx.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
-                      num_kv_heads=2, head_dim=32)
+    cfg = ModelConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+    )
     armt_cfg = ARMTConfig(segment_size=64, num_mem_tokens=16, d_mem=32)
-    memory = nnx.eval_shape(lambda: MemoryParams(armt_cfg, cfg.num_layers, cfg.hidden_size, 1.0, dtype=dtype,
-                                                 key=jax.random.key(0)))
+    memory = nnx.eval_shape(
+        lambda: MemoryParams(
+            armt_cfg, cfg.num_layers, cfg.hidden_size, 1.0, dtype=dtype, key=jax.random.key(0)
+        )
+    )
     model = ARMTModel(abstract_model(cfg, dtype), armt_cfg, memory)
     params = jax.tree.map(lambda x: _sds(x.shape, x.dtype), model.params)
     L, b, dk = cfg.num_layers, 2, armt_cfg.d_key
-    pipe = Pipeline(_sds((L, b, armt_cfg.rows, cfg.hidden_size), dtype), _sds((L, b), jnp.int32),
-                    _sds((L, b), jnp.bool_), _sds((L, b, dk, cfg.hidden_size), jnp.float32),
-                    _sds((L, b, dk), jnp.float32))
-    segs = Segments(_sds((1, b, armt_cfg.segment_size), jnp.int32), _sds((1, b), jnp.int32), _sds((1, b), jnp.bool_))
+    pipe = Pipeline(
+        _sds((L, b, armt_cfg.rows, cfg.hidden_size), dtype),
+        _sds((L, b), jnp.int32),
+        _sds((L, b), jnp.bool_),
+        _sds((L, b, dk, cfg.hidden_size), jnp.float32),
+        _sds((L, b, dk), jnp.float32),
+    )
+    segs = Segments(
+        _sds((1, b, armt_cfg.segment_size), jnp.int32), _sds((1, b), jnp.int32), _sds((1, b), jnp.bool_)
+    )
     return model, params, pipe, segs
 
 
@@ -152,7 +187,7 @@ def test_grouped_diagonal_step_lowers(dtype):
         return jnp.sum(logits) + jnp.sum(out.A)
 
     for block in (full, ramp_down):
-        step = lambda p, q, s, block=block: _run_block(model, block, CPUExecution(), pallas, p, q, s)  # noqa: E731
+        step = lambda p, q, s, block=block: _run_block(model, block, CPUExecution(), pallas, p, q, s)
         assert _lower_for_h200(step, params, pipe, segs).count(TRITON_CALL) == 11
-    grad = lambda p, q, s: jax.grad(loss)(p, q, s, full)  # noqa: E731
+    grad = lambda p, q, s: jax.grad(loss)(p, q, s, full)
     assert _lower_for_h200(grad, params, pipe, segs).count(TRITON_CALL) == 33

@@ -19,8 +19,16 @@ from jaxlongctx.pq_generate import add_kv_cache_arguments, cache_stats, kv_cache
 from jaxlongctx.train.evaluate import add_eval_ppl_arguments, perplexity
 
 # vocab of the default tokenizer, so the built-in corpus splits are valid ids
-CFG = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                  num_kv_heads=1, head_dim=16, eos_token_id=2)
+CFG = ModelConfig(
+    vocab_size=4096,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    eos_token_id=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +46,26 @@ def codebooks_dir(ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("cb") / "codebooks"
     p = argparse.ArgumentParser()
     add_calibrate_arguments(p)
-    run_calibrate(p.parse_args(["--model", str(ckpt), "--out", str(out), "--bits", "4", "--iters", "2",
-                                "--granularity", "layer", "--seq-len", "128", "--max-tokens", "256"]))
+    run_calibrate(
+        p.parse_args(
+            [
+                "--model",
+                str(ckpt),
+                "--out",
+                str(out),
+                "--bits",
+                "4",
+                "--iters",
+                "2",
+                "--granularity",
+                "layer",
+                "--seq-len",
+                "128",
+                "--max-tokens",
+                "256",
+            ]
+        )
+    )
     return out
 
 
@@ -72,8 +98,22 @@ def test_calibrate_cli_and_pq_perplexity(model, ckpt, codebooks_dir):
     p = argparse.ArgumentParser()
     add_eval_ppl_arguments(p)
     add_eval_kv_arguments(p)
-    args = p.parse_args(["--ckpt", str(ckpt), "--kv", "pq", "--codebooks", str(codebooks_dir), "--context", "64",
-                         "--max-tokens", "130", "--batch-size", "2"])
+    args = p.parse_args(
+        [
+            "--ckpt",
+            str(ckpt),
+            "--kv",
+            "pq",
+            "--codebooks",
+            str(codebooks_dir),
+            "--context",
+            "64",
+            "--max-tokens",
+            "130",
+            "--batch-size",
+            "2",
+        ]
+    )
     assert run_eval_kv(args)["kv"] == "pq"
     with pytest.raises(ValueError, match="--codebooks is needed"):
         run_eval_kv(p.parse_args(["--ckpt", str(ckpt), "--kv", "pq"]))
@@ -82,8 +122,9 @@ def test_calibrate_cli_and_pq_perplexity(model, ckpt, codebooks_dir):
 def test_generate_kv_cache_options(model, ckpt, codebooks_dir):
     p = argparse.ArgumentParser()
     add_kv_cache_arguments(p)
-    kwargs = kv_cache_kwargs(p.parse_args(["--kv-cache", "pq", "--codebooks", str(codebooks_dir),
-                                           "--pq-window", "16"]), model)
+    kwargs = kv_cache_kwargs(
+        p.parse_args(["--kv-cache", "pq", "--codebooks", str(codebooks_dir), "--pq-window", "16"]), model
+    )
     out = jaxlongctx.generate(model, np.array([[5, 6, 7]], np.int32), 20, eos_id=-1, **kwargs)
     assert out.shape == (1, 23)
     stats = cache_stats(model, kwargs, 23)

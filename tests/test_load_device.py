@@ -49,7 +49,7 @@ def test_numpy_parameters_would_be_caught(hf_family_dir):
     model = jaxlongctx.load(hf_family_dir("llama32")[0])
     host = jax.tree.map(np.asarray, model.params)
     ids, mask = jax.device_put(np.array([[3, 4]], np.int32)), jax.device_put(np.ones((1, 2), bool))
-    with jax.transfer_guard_host_to_device("disallow"), pytest.raises(Exception, match="[Dd]isallowed"):
+    with jax.transfer_guard_host_to_device("disallow"), pytest.raises(Exception, match=r"[Dd]isallowed"):
         model._forward(host, ids, mask)
 
 

@@ -19,7 +19,13 @@ import pytest
 from jax.sharding import AbstractMesh
 
 from jaxlongctx.config import ModelConfig
-from jaxlongctx.parallel import add_parallel_arguments, check_divisible, make_mesh, mesh_from_args, param_shardings
+from jaxlongctx.parallel import (
+    add_parallel_arguments,
+    check_divisible,
+    make_mesh,
+    mesh_from_args,
+    param_shardings,
+)
 
 WORKER = Path(__file__).parent / "parallel_worker.py"
 TOLERANCE = 1e-4
@@ -44,8 +50,13 @@ def _free_port() -> int:
 def meshes(tmp_path_factory) -> dict:
     """Results of every single-process mesh check (one 8-device subprocess)."""
     out = tmp_path_factory.mktemp("tp") / "meshes.json"
-    proc = subprocess.run([sys.executable, str(WORKER), "meshes", str(out)], env=_worker_env(8),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), "meshes", str(out)],
+        env=_worker_env(8),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -70,8 +81,13 @@ def test_per_device_parameter_bytes_divide_by_tp(meshes):
 
 
 def test_one_layer_has_exactly_two_all_reduces(meshes):
-    assert meshes["layer_collectives_tp4"] == {"all-reduce": 2, "all-gather": 0, "reduce-scatter": 0,
-                                               "all-to-all": 0, "collective-permute": 0}
+    assert meshes["layer_collectives_tp4"] == {
+        "all-reduce": 2,
+        "all-gather": 0,
+        "reduce-scatter": 0,
+        "all-to-all": 0,
+        "collective-permute": 0,
+    }
 
 
 def test_forward_reduces_once_per_pair_and_gathers_only_logits(meshes):
@@ -99,9 +115,14 @@ def test_pq_generation_matches_one_device(meshes):
     for name, m in got.items():
         assert m["logit_max_diff"] <= TOLERANCE and m["tokens_equal"], (name, m)
         dp, tp = (int(x) for x in name.split(" dp")[1].split("xtp"))
-        assert m["codes_spec"] == ("P(None, 'dp', 'tp', None, None)" if dp > 1 else "P(None, None, 'tp', None, None)")
+        assert m["codes_spec"] == (
+            "P(None, 'dp', 'tp', None, None)" if dp > 1 else "P(None, None, 'tp', None, None)"
+        )
         assert m["codes_shard_fraction"] == [1, dp, tp, 1, 1], (name, m)
-        assert m["lengths_after"] == [17, 14, 17, 17], (name, m)  # 9 (6) prompt tokens + 2 flushed windows of 4
+        assert m["lengths_after"] == [17, 14, 17, 17], (
+            name,
+            m,
+        )  # 9 (6) prompt tokens + 2 flushed windows of 4
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
@@ -115,12 +136,18 @@ def test_armt_on_meshes_matches_one_device(tmp_path):
     every mesh, on the grid and with sentence segments; W_mv and the memory state A split their value
     columns over tp and rows over dp."""
     out = tmp_path / "armt.json"
-    proc = subprocess.run([sys.executable, str(WORKER), "armt", str(out)], env=_worker_env(8),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), "armt", str(out)],
+        env=_worker_env(8),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out.read_text())
-    assert sorted(got) == sorted([f"dp{dp}xtp{tp}" for tp, dp in MESHES[1:]] + ["loaded_2x2",
-                                                                                  "sentences_differ_from_grid"])
+    assert sorted(got) == sorted(
+        [f"dp{dp}xtp{tp}" for tp, dp in MESHES[1:]] + ["loaded_2x2", "sentences_differ_from_grid"]
+    )
     assert got.pop("sentences_differ_from_grid") > 1e-2  # the sentence cut is not the grid's
     for name, m in got.items():
         if name == "loaded_2x2":
@@ -130,7 +157,9 @@ def test_armt_on_meshes_matches_one_device(tmp_path):
         assert m["sequential_A_rel"] <= 1e-5 and m["diagonal_A_rel"] <= 1e-5, (name, m)
         assert m["tokens_equal"] and m["sentences_tokens_equal"], name
         assert m["wv_spec"] == "P(None, None, 'tp')"
-        assert m["A_spec"] == ("P(None, 'dp', None, 'tp')" if name.startswith("dp2") else "P(None, None, None, 'tp')")
+        assert m["A_spec"] == (
+            "P(None, 'dp', None, 'tp')" if name.startswith("dp2") else "P(None, None, None, 'tp')"
+        )
     loaded = got["loaded_2x2"]
     assert loaded["wv_spec"] == "P(None, None, 'tp')" and loaded["wq_spec"] == "P(None, None, 'tp')"
     assert loaded["diagonal"] <= TOLERANCE
@@ -143,9 +172,20 @@ def _check_kv_replicas(tmp_path, cases: list[tuple[int, int]], tokens: bool) -> 
     """Dense, PQ and ARMT on tp devices with K kv heads (replicated when tp > K) equal one device, and
     each device holds max(K / tp, 1) kv heads of the weights and of both caches."""
     out = tmp_path / "kv_replicas.json"
-    proc = subprocess.run([sys.executable, str(WORKER), "kv_replicas", str(out), "tokens" if tokens else "logits",
-                           *(f"{kv}:{tp}" for kv, tp in cases)],
-                          env=_worker_env(8), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(WORKER),
+            "kv_replicas",
+            str(out),
+            "tokens" if tokens else "logits",
+            *(f"{kv}:{tp}" for kv, tp in cases),
+        ],
+        env=_worker_env(8),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out.read_text())
     assert sorted(got) == sorted(f"kv{kv}xtp{tp}" for kv, tp in cases)
@@ -154,13 +194,24 @@ def _check_kv_replicas(tmp_path, cases: list[tuple[int, int]], tokens: bool) -> 
         for name in ("dense", "pq", "armt"):
             assert row[f"{name}_logit_max_diff"] <= TOLERANCE, (kv, tp, name, row)
             assert row.get(f"{name}_tokens_equal", True), (kv, tp, name, row)
-        assert row["wv_local_heads"] == row["dense_cache_local_heads"] == row["pq_codes_local_heads"] == max(kv // tp, 1)
+        assert (
+            row["wv_local_heads"]
+            == row["dense_cache_local_heads"]
+            == row["pq_codes_local_heads"]
+            == max(kv // tp, 1)
+        )
         if tp > kv:  # kv heads over tp groups of tp / kv devices; everything else over all tp devices
             assert row["mesh"] == {"dp": 1, "tp": kv, "kv_rep": tp // kv}, row
-            assert row["wk_spec"] == "P(None, None, 'tp')" and row["wq_spec"] == "P(None, None, ('tp', 'kv_rep'))"
+            assert (
+                row["wk_spec"] == "P(None, None, 'tp')"
+                and row["wq_spec"] == "P(None, None, ('tp', 'kv_rep'))"
+            )
             assert row["armt_A_spec"] == "P(None, None, None, ('tp', 'kv_rep'))"
         else:
-            assert row["mesh"] == {"dp": 1, "tp": tp} and row["wk_spec"] == row["wq_spec"] == "P(None, None, 'tp')"
+            assert (
+                row["mesh"] == {"dp": 1, "tp": tp}
+                and row["wk_spec"] == row["wq_spec"] == "P(None, None, 'tp')"
+            )
     assert tokens == ("dense_tokens_equal" in got[f"kv{cases[0][0]}xtp{cases[0][1]}"])
 
 
@@ -182,10 +233,16 @@ def test_two_processes_match_one(tmp_path):
     ckpt = save_model(make_model().module, tmp_path / "ckpt")
     port = _free_port()
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "process", str(port), "2", str(r), str(ckpt),
-                               str(outs[r])],
-                              env=_worker_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "process", str(port), "2", str(r), str(ckpt), str(outs[r])],
+            env=_worker_env(2),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     try:
         logs = [p.communicate(timeout=300)[1] for p in procs]
     finally:
@@ -206,8 +263,16 @@ def test_two_processes_match_one(tmp_path):
 def test_mesh_and_rules_on_one_device():
     mesh = make_mesh()
     assert dict(mesh.shape) == {"dp": 1, "tp": 1}
-    cfg = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=4, qkv_bias=True)
+    cfg = ModelConfig(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        qkv_bias=True,
+    )
     shardings = param_shardings(cfg, mesh)
     assert str(shardings["layers"]["wo"].spec) == "P(None, 'tp', None)"
     assert str(shardings["layers"]["bk"].spec) == "P(None, 'tp')"
@@ -217,8 +282,15 @@ def test_mesh_and_rules_on_one_device():
 def test_clear_errors():
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh(tp=8, dp=2)
-    cfg = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=24, num_layers=1, num_heads=12,
-                      num_kv_heads=3, head_dim=4)
+    cfg = ModelConfig(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=24,
+        num_layers=1,
+        num_heads=12,
+        num_kv_heads=3,
+        head_dim=4,
+    )
     check_divisible(cfg, AbstractMesh((1, 3), ("dp", "tp")))
     check_divisible(cfg, AbstractMesh((1, 6), ("dp", "tp")))  # each kv head replicated on 2 devices
     with pytest.raises(ValueError, match="num_kv_heads=3 to divide tp"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hf_oracle import VOCAB, hf_logits, make_hf_model
 
 import jaxlongctx
-from hf_oracle import VOCAB, hf_logits, make_hf_model
 
 torch = pytest.importorskip("torch")  # the oracle; absent on the jax-min lane
 
@@ -33,8 +33,10 @@ def test_left_and_right_padding_equal_unpadded_row(hf_family_dir):
     model = jaxlongctx.load(hf_dir)
     ids, _ = _batch(1)
     alone = np.asarray(model(ids[:1, :9]))[0]
-    right = np.zeros((1, 17), np.int32); right[0, :9] = ids[0, :9]
-    left = np.zeros((1, 17), np.int32); left[0, 8:] = ids[0, :9]
+    right = np.zeros((1, 17), np.int32)
+    right[0, :9] = ids[0, :9]
+    left = np.zeros((1, 17), np.int32)
+    left[0, 8:] = ids[0, :9]
     out_r = np.asarray(model(right, right != 0))[0, :9]
     out_l = np.asarray(model(left, left != 0))[0, 8:]
     np.testing.assert_allclose(out_r, alone, atol=1e-5)
@@ -47,8 +49,14 @@ def test_greedy_generation_matches_transformers(hf_family_dir, family):
     ids = np.random.default_rng(2).integers(3, VOCAB, (1, 9)).astype(np.int32)
     ours = jaxlongctx.generate(model, ids, 32, eos_id=-1)
     with torch.no_grad():
-        ref = hf.generate(torch.tensor(ids, dtype=torch.long), max_new_tokens=32, min_new_tokens=32,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref = hf.generate(
+            torch.tensor(ids, dtype=torch.long),
+            max_new_tokens=32,
+            min_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     np.testing.assert_array_equal(ours, ref.numpy())
 
 

@@ -14,22 +14,47 @@ from pallas_kernels.pq_attention import lookup_tables, merge_partials
 from pallas_kernels.pq_attention_kernel import PQBlocks, pq_coded_partials_pallas
 from pallas_kernels.pq_attention_reference import pq_decode_attention_reference
 
-pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"), pytest.mark.jaxmin]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"),
+    pytest.mark.jaxmin,
+]
 
 CENTROIDS = 256
 
 
-def _case(*, batch=3, kv_heads=2, group=4, head_dim=64, sub_dim=2, capacity=50, window=8,
-          lengths=(0, 23, 50), res_lengths=(1, 8, 3), per_head=False, dtype=jnp.float32, seed=0):
+def _case(
+    *,
+    batch=3,
+    kv_heads=2,
+    group=4,
+    head_dim=64,
+    sub_dim=2,
+    capacity=50,
+    window=8,
+    lengths=(0, 23, 50),
+    res_lengths=(1, 8, 3),
+    per_head=False,
+    dtype=jnp.float32,
+    seed=0,
+):
     """Random PQ cache + query; returns the positional arguments of pq_decode_attention (scale last)."""
     rng = np.random.default_rng(seed)
     subspaces = head_dim // sub_dim
     cent_shape = (kv_heads, subspaces, CENTROIDS, sub_dim) if per_head else (subspaces, CENTROIDS, sub_dim)
-    arr = lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)  # noqa: E731
-    codes = lambda: jnp.asarray(rng.integers(0, CENTROIDS, (batch, kv_heads, capacity, subspaces)), jnp.uint8)  # noqa: E731
-    return (arr((batch, kv_heads * group, head_dim)), codes(), codes(), arr(cent_shape), arr(cent_shape),
-            jnp.asarray(lengths, jnp.int32), arr((batch, kv_heads, window, head_dim)),
-            arr((batch, kv_heads, window, head_dim)), jnp.asarray(res_lengths, jnp.int32), head_dim ** -0.5)
+    arr = lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+    codes = lambda: jnp.asarray(rng.integers(0, CENTROIDS, (batch, kv_heads, capacity, subspaces)), jnp.uint8)
+    return (
+        arr((batch, kv_heads * group, head_dim)),
+        codes(),
+        codes(),
+        arr(cent_shape),
+        arr(cent_shape),
+        jnp.asarray(lengths, jnp.int32),
+        arr((batch, kv_heads, window, head_dim)),
+        arr((batch, kv_heads, window, head_dim)),
+        jnp.asarray(res_lengths, jnp.int32),
+        head_dim**-0.5,
+    )
 
 
 def _run(args, backend):
@@ -59,16 +84,29 @@ SWEEP = [  # (head_dim, sub_dim, group, per_head): every value of each axis appe
 @pytest.mark.parametrize("head_dim, sub_dim, group, per_head", SWEEP)
 def test_interpret_matches_oracle(head_dim, sub_dim, group, per_head):
     # batch 3 with mixed lengths: empty, not a multiple of any tile, full; residual 1, R and in between
-    _check(_case(head_dim=head_dim, sub_dim=sub_dim, group=group, per_head=per_head, kv_heads=1 + per_head),
-           "interpret")
+    _check(
+        _case(head_dim=head_dim, sub_dim=sub_dim, group=group, per_head=per_head, kv_heads=1 + per_head),
+        "interpret",
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_dim, sub_dim, group, per_head",
-                         list(itertools.product([64, 128], [2, 4], [1, 4, 8], [False, True])))
+@pytest.mark.parametrize(
+    "head_dim, sub_dim, group, per_head", list(itertools.product([64, 128], [2, 4], [1, 4, 8], [False, True]))
+)
 def test_interpret_matches_oracle_full_sweep(head_dim, sub_dim, group, per_head):
-    _check(_case(head_dim=head_dim, sub_dim=sub_dim, group=group, per_head=per_head, capacity=77,
-                 lengths=(77, 0, 45), res_lengths=(8, 1, 0)), "interpret")
+    _check(
+        _case(
+            head_dim=head_dim,
+            sub_dim=sub_dim,
+            group=group,
+            per_head=per_head,
+            capacity=77,
+            lengths=(77, 0, 45),
+            res_lengths=(8, 1, 0),
+        ),
+        "interpret",
+    )
 
 
 @pytest.mark.parametrize("head_dim, sub_dim, group, per_head", SWEEP)
@@ -93,12 +131,22 @@ def test_interpret_bf16_inputs():
 def test_split_k_tiling_and_merge():
     """Several tiles per split and several splits, with lengths ending mid-tile and mid-split."""
     q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, _, scale = _case(
-        capacity=100, lengths=(100, 37, 64), per_head=True)
+        capacity=100, lengths=(100, 37, 64), per_head=True
+    )
     empty = jnp.zeros((3,), jnp.int32)
-    want = pq_decode_attention_reference(q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, empty, scale)
+    want = pq_decode_attention_reference(
+        q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, empty, scale
+    )
     lut = lookup_tables(q, k_cent, 2, 4, scale)  # [B K G M C]
-    outs, lses = pq_coded_partials_pallas(lut, k_codes, v_codes, v_cent, lengths, interpret=True,
-                                          blocks=PQBlocks(tokens=16, tiles_per_split=2, num_splits=4, num_warps=4))
+    outs, lses = pq_coded_partials_pallas(
+        lut,
+        k_codes,
+        v_codes,
+        v_cent,
+        lengths,
+        interpret=True,
+        blocks=PQBlocks(tokens=16, tiles_per_split=2, num_splits=4, num_warps=4),
+    )
     got = merge_partials(outs.reshape(*outs.shape[:4], 64), lses).reshape(want.shape)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
@@ -124,9 +172,22 @@ def test_bad_backend_and_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-@pytest.mark.parametrize("head_dim, sub_dim, group, per_head",
-                         list(itertools.product([64, 128], [2, 4], [1, 4, 8], [False, True])))
+@pytest.mark.parametrize(
+    "head_dim, sub_dim, group, per_head", list(itertools.product([64, 128], [2, 4], [1, 4, 8], [False, True]))
+)
 def test_gpu_pallas_matches_oracle(head_dim, sub_dim, group, per_head):
-    _check(_case(head_dim=head_dim, sub_dim=sub_dim, group=group, per_head=per_head, kv_heads=2,
-                 capacity=3000, lengths=(3000, 0, 1234), window=128, res_lengths=(128, 1, 77)), "pallas",
-           tol=1e-4)
+    _check(
+        _case(
+            head_dim=head_dim,
+            sub_dim=sub_dim,
+            group=group,
+            per_head=per_head,
+            kv_heads=2,
+            capacity=3000,
+            lengths=(3000, 0, 1234),
+            window=128,
+            res_lengths=(128, 1, 77),
+        ),
+        "pallas",
+        tol=1e-4,
+    )

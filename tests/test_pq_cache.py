@@ -13,19 +13,49 @@ import jaxlongctx
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache import Codebooks, centroid_shape, decode, encode, save_codebooks
 from jaxlongctx.kvcache.calibrate import calibrate, check_codebooks, load_codebooks_for, model_fingerprint
-from jaxlongctx.kvcache.pq_cache import PQCache, decode_layers, encode_layers, flush_full_rows, pq_cache_report, write_window
+from jaxlongctx.kvcache.pq_cache import (
+    PQCache,
+    decode_layers,
+    encode_layers,
+    flush_full_rows,
+    pq_cache_report,
+    write_window,
+)
 
-CFG = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=16, eos_token_id=2)
+CFG = ModelConfig(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    eos_token_id=2,
+)
 L, K, D = CFG.num_layers, CFG.num_kv_heads, CFG.head_dim
 
 
-def random_codebooks(granularity: str, ds: int = 2, bits: int = 4, seed: int = 0, num_layers: int = L,
-                     num_kv_heads: int = K, head_dim: int = D) -> Codebooks:
+def random_codebooks(
+    granularity: str,
+    ds: int = 2,
+    bits: int = 4,
+    seed: int = 0,
+    num_layers: int = L,
+    num_kv_heads: int = K,
+    head_dim: int = D,
+) -> Codebooks:
     shape = centroid_shape(granularity, num_layers, num_kv_heads, head_dim, ds, bits)
     kk, kv = jax.random.split(jax.random.key(seed))
-    return Codebooks(jax.random.normal(kk, shape), jax.random.normal(kv, shape), granularity, ds, bits, head_dim,
-                     num_layers, num_kv_heads)
+    return Codebooks(
+        jax.random.normal(kk, shape),
+        jax.random.normal(kv, shape),
+        granularity,
+        ds,
+        bits,
+        head_dim,
+        num_layers,
+        num_kv_heads,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +94,21 @@ def test_prefill_compacts_real_tokens_and_fills_window(keep_tail):
         n = lens[b] - exact[b]
         want = encode_layers(jnp.asarray(real[:, None]), k_cent)[:, 0]
         np.testing.assert_array_equal(cache.k_codes[:, b, :, :n], want[:, :, :n])
-        np.testing.assert_array_equal(cache.k_window[:, b, :, :exact[b]], real[:, :, n:])
+        np.testing.assert_array_equal(cache.k_window[:, b, :, : exact[b]], real[:, :, n:])
 
 
 def test_flush_appends_only_full_rows():
     cb = random_codebooks("layer")
     k_cent, v_cent = cb.stacked()
     window, cap = 2, 8
-    cache = PQCache(jnp.zeros((L, 2, K, cap, 8), jnp.uint8), jnp.zeros((L, 2, K, cap, 8), jnp.uint8),
-                    jax.random.normal(jax.random.key(4), (L, 2, K, window, D)),
-                    jax.random.normal(jax.random.key(5), (L, 2, K, window, D)),
-                    jnp.array([3, 1], jnp.int32), jnp.array([2, 1], jnp.int32))
+    cache = PQCache(
+        jnp.zeros((L, 2, K, cap, 8), jnp.uint8),
+        jnp.zeros((L, 2, K, cap, 8), jnp.uint8),
+        jax.random.normal(jax.random.key(4), (L, 2, K, window, D)),
+        jax.random.normal(jax.random.key(5), (L, 2, K, window, D)),
+        jnp.array([3, 1], jnp.int32),
+        jnp.array([2, 1], jnp.int32),
+    )
     out = flush_full_rows(cache, k_cent, v_cent)
     np.testing.assert_array_equal(out.lengths, [5, 1])
     np.testing.assert_array_equal(out.window_lengths, [0, 1])
@@ -89,8 +123,15 @@ def test_flush_appends_only_full_rows():
 
 
 def test_cache_bytes_vs_dense_at_32k():
-    llama2 = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
-                         num_heads=32, num_kv_heads=32, head_dim=128)
+    llama2 = ModelConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+    )
     for ds, want in ((2, 3.9), (4, 7.5)):
         cb = random_codebooks("shared", ds=ds, bits=8, num_layers=32, num_kv_heads=32, head_dim=128)
         report = pq_cache_report(llama2, cb, 32768)
@@ -106,7 +147,9 @@ def test_cache_bytes_vs_dense_at_32k():
 @pytest.fixture(scope="module")
 def calibrated(model):
     tokens = np.random.default_rng(0).integers(3, 97, 1024)
-    return calibrate(model, tokens, ds=2, bits=4, granularity="layer_head", iters=2, seq_len=128, max_tokens=512)
+    return calibrate(
+        model, tokens, ds=2, bits=4, granularity="layer_head", iters=2, seq_len=128, max_tokens=512
+    )
 
 
 def test_calibrate_records_fingerprint_and_roundtrips(model, calibrated, tmp_path):
@@ -151,5 +194,11 @@ def test_calibrate_rejects_too_little_text(model):
     with pytest.raises(ValueError, match="fewer than one window"):
         calibrate(model, np.arange(3, 50), seq_len=128, max_tokens=512)
     with pytest.raises(ValueError, match="fewer than the 256 centroids"):
-        calibrate(model, np.random.default_rng(0).integers(3, 97, 128), bits=8, granularity="layer_head",
-                  seq_len=128, max_tokens=128)
+        calibrate(
+            model,
+            np.random.default_rng(0).integers(3, 97, 128),
+            bits=8,
+            granularity="layer_head",
+            seq_len=128,
+            max_tokens=128,
+        )

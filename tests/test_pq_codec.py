@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from jaxlongctx.kvcache.kmeans import _lloyd_step
 
 def _brute_force_codes(x: np.ndarray, cent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Nearest centroid per subspace in float64: x[N, D], cent[M, C, ds] -> (codes[N, M], dists[N, M, C])."""
-    m, c, ds = cent.shape
+    m, _c, ds = cent.shape
     sub = x.reshape(-1, m, 1, ds).astype(np.float64)
     d = np.sum((sub - cent[None].astype(np.float64)) ** 2, axis=-1)  # [N, M, C]
     return d.argmin(-1), d
@@ -127,7 +128,7 @@ def test_kmeans_split_reseeds_empty_clusters() -> None:
     for _ in range(12):
         cent, obj = _lloyd_step(x, cent, rms)
         objectives.append(float(obj[0]))
-    assert all(b <= a * (1 + 1e-6) for a, b in zip(objectives, objectives[1:]))
+    assert all(b <= a * (1 + 1e-6) for a, b in itertools.pairwise(objectives))
     assert objectives[-1] < 0.6 * objectives[0]  # three clusters in use, not one
     assert np.abs(np.asarray(cent)).max() < 10
 
@@ -137,7 +138,9 @@ def test_kmeans_recovers_separated_clusters() -> None:
     centers = rng.permutation(np.stack(np.meshgrid(np.arange(4), np.arange(2)), -1).reshape(8, 2) * 20.0)
     centers = np.stack([centers, centers + 3.0]).astype(np.float32)  # P=2 problems, 8 clusters each
     labels = rng.integers(0, 8, size=(2, 800))
-    x = np.take_along_axis(centers, labels[..., None], 1) + 0.1 * rng.normal(size=(2, 800, 2)).astype(np.float32)
+    x = np.take_along_axis(centers, labels[..., None], 1) + 0.1 * rng.normal(size=(2, 800, 2)).astype(
+        np.float32
+    )
     cent, _ = kmeans(x, 8, 10, key=jax.random.key(5), init="kmeans++")
     for p in range(2):
         dist = np.sqrt(((centers[p][:, None] - np.asarray(cent[p])[None]) ** 2).sum(-1))
@@ -149,7 +152,7 @@ def test_tiled_assignment_equals_brute_force() -> None:
 
     x = jax.random.normal(jax.random.key(8), (3, 1000, 4))  # 1000 points: several tiles and a ragged last one
     cent = jax.random.normal(jax.random.key(9), (3, 40, 4))
-    assign, counts, sums, sse = _assign(x, cent)
+    assign, counts, _sums, sse = _assign(x, cent)
     d = np.sum((np.asarray(x)[:, :, None] - np.asarray(cent)[:, None]) ** 2, axis=-1)  # [P, n, k]
     np.testing.assert_array_equal(np.asarray(assign), d.argmin(-1))
     np.testing.assert_allclose(np.asarray(sse), d.min(-1).sum(-1), rtol=1e-5)
@@ -161,7 +164,7 @@ def test_kmeans_stops_at_convergence() -> None:
     _, full = kmeans(x, 8, 60, key=jax.random.key(1))
     _, early = kmeans(x, 8, 60, key=jax.random.key(1), tol=1e-3)
     assert early.shape[1] < full.shape[1] and _non_increasing(early)
-    np.testing.assert_array_equal(np.asarray(early[:, :-1]), np.asarray(full[:, :early.shape[1] - 1]))
+    np.testing.assert_array_equal(np.asarray(early[:, :-1]), np.asarray(full[:, : early.shape[1] - 1]))
     last = np.asarray(early[:, -3:-1], np.float64).sum(0)  # the update that met the tolerance
     assert last[0] - last[1] <= 1e-3 * last[0]
 
@@ -182,7 +185,9 @@ def test_kmeans_subsampling_is_deterministic() -> None:
 def small_kv() -> tuple[np.ndarray, np.ndarray]:
     """Calibration keys/values [L=2, N=64, K=2, D=8]."""
     rng = np.random.default_rng(8)
-    return rng.normal(size=(2, 64, 2, 8)).astype(np.float32), rng.normal(size=(2, 64, 2, 8)).astype(np.float32)
+    return rng.normal(size=(2, 64, 2, 8)).astype(np.float32), rng.normal(size=(2, 64, 2, 8)).astype(
+        np.float32
+    )
 
 
 @pytest.mark.parametrize(
@@ -193,9 +198,13 @@ def small_kv() -> tuple[np.ndarray, np.ndarray]:
         ("layer_head", (2, 4, 16, 2), (2, 2, 4, 16, 2)),
     ],
 )
-def test_train_codebooks_layouts(small_kv, granularity: str, layer_shape: tuple, stacked_shape: tuple) -> None:
+def test_train_codebooks_layouts(
+    small_kv, granularity: str, layer_shape: tuple, stacked_shape: tuple
+) -> None:
     keys, values = small_kv
-    cb = train_codebooks(keys, values, 2, 4, granularity, 3, key=jax.random.key(0), progress=False, model_fingerprint="m")
+    cb = train_codebooks(
+        keys, values, 2, 4, granularity, 3, key=jax.random.key(0), progress=False, model_fingerprint="m"
+    )
     k1, v1 = cb.for_layer(1)
     assert k1.shape == v1.shape == layer_shape
     ks, vs = cb.stacked()
@@ -231,7 +240,13 @@ def saved(tmp_path: Path) -> tuple[Codebooks, Path]:
     cb = Codebooks(
         jnp.asarray(rng.normal(size=(2, 2, 4, 16, 2)), jnp.float32),
         jnp.asarray(rng.normal(size=(2, 2, 4, 16, 2)), jnp.float32),
-        "layer_head", 2, 4, 8, 2, 2, {"model_fingerprint": "llama-a"},
+        "layer_head",
+        2,
+        4,
+        8,
+        2,
+        2,
+        {"model_fingerprint": "llama-a"},
     )
     return cb, save_codebooks(cb, tmp_path / "cb")
 
@@ -242,7 +257,11 @@ def test_save_load_roundtrip(saved, tmp_path: Path) -> None:
     np.testing.assert_array_equal(np.asarray(back.key_centroids), np.asarray(cb.key_centroids))
     np.testing.assert_array_equal(np.asarray(back.value_centroids), np.asarray(cb.value_centroids))
     assert (back.granularity, back.ds, back.bits, back.head_dim, back.metadata) == (
-        cb.granularity, cb.ds, cb.bits, cb.head_dim, cb.metadata,
+        cb.granularity,
+        cb.ds,
+        cb.bits,
+        cb.head_dim,
+        cb.metadata,
     )
     with pytest.raises(ValueError, match="already exists"):
         save_codebooks(cb, path)
@@ -269,7 +288,7 @@ def test_load_missing_and_corrupt_files(saved, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="corrupt"):
         load_codebooks(path)
     meta_file.unlink()
-    with pytest.raises(ValueError, match="missing codebooks.json"):
+    with pytest.raises(ValueError, match=r"missing codebooks\.json"):
         load_codebooks(path)
     meta_file.write_text(json.dumps(meta))
     for f in (path / "arrays").rglob("*"):

@@ -14,8 +14,16 @@ from jaxlongctx.kvcache.pq_cache import decode_layers, encode_layers
 from jaxlongctx.model.llama import decode_hidden, forward_hidden
 from jaxlongctx.pq_generate import pq_decode_hidden, pq_prefill
 
-CFG = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=16, eos_token_id=2)
+CFG = ModelConfig(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    eos_token_id=2,
+)
 
 
 def kv_codebooks(model, granularity: str, bits: int = 4) -> Codebooks:
@@ -31,7 +39,9 @@ def kv_codebooks(model, granularity: str, bits: int = 4) -> Codebooks:
         cent = pieces[idx, np.arange(m)]  # [P, C, M, 2]
         return jnp.asarray(np.moveaxis(cent, 2, 1).reshape(shape), jnp.float32)
 
-    return Codebooks(pick(k, 0), pick(v, 1), granularity, 2, bits, CFG.head_dim, CFG.num_layers, CFG.num_kv_heads)
+    return Codebooks(
+        pick(k, 0), pick(v, 1), granularity, 2, bits, CFG.head_dim, CFG.num_layers, CFG.num_kv_heads
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +55,9 @@ def _fake_quantize_dense(x, cent):
     return decode_layers(encode_layers(xt, cent), cent).transpose(0, 1, 3, 2, 4).astype(x.dtype)
 
 
-@pytest.mark.parametrize("granularity,keep_tail", [("layer_head", True),
-                                                    pytest.param("shared", False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "granularity,keep_tail", [("layer_head", True), pytest.param("shared", False, marks=pytest.mark.slow)]
+)
 def test_pq_logits_equal_dense_decode_over_reconstructed_cache(model, granularity, keep_tail):
     """Teacher-forced: each PQ step equals a dense decode whose cache holds decode(encode(k/v)) for the
     tokens the PQ cache has coded and exact k/v for its window tokens."""
@@ -65,7 +76,9 @@ def test_pq_logits_equal_dense_decode_over_reconstructed_cache(model, granularit
     logits, cache = prefill(params, ids, mask)
 
     # reference: dense cache of exact k/v in slots [0, t + steps); coded tokens fake-quantized
-    h, (k, v) = jax.jit(lambda p, i, m: forward_hidden(model.merge(p), i, m, collect_kv=True))(params, ids, mask)
+    _h, (k, v) = jax.jit(lambda p, i, m: forward_hidden(model.merge(p), i, m, collect_kv=True))(
+        params, ids, mask
+    )
     np.testing.assert_allclose(logits, model(ids, mask)[np.arange(2), -1], atol=1e-5)
     s = t + steps
     pad = ((0, 0), (0, 0), (0, steps), (0, 0), (0, 0))
@@ -77,7 +90,7 @@ def test_pq_logits_equal_dense_decode_over_reconstructed_cache(model, granularit
         ak = jnp.where(coded[None, :, :, None, None], _fake_quantize_dense(ek, k_cent), ek)
         av = jnp.where(coded[None, :, :, None, None], _fake_quantize_dense(ev, v_cent), ev)
         module = model.merge(p)
-        heads_major = lambda x: x.transpose(0, 1, 3, 2, 4)  # noqa: E731  [L B S K D] <-> the cache's [L B K S D]
+        heads_major = lambda x: x.transpose(0, 1, 3, 2, 4)
         h, nk, nv = decode_hidden(module, tok, pos, slot, heads_major(ak), heads_major(av), valid)
         nk, nv = heads_major(nk), heads_major(nv)
         at = (jnp.arange(s) == slot)[None, None, :, None, None]
@@ -85,14 +98,16 @@ def test_pq_logits_equal_dense_decode_over_reconstructed_cache(model, granularit
 
     positions = mask.sum(axis=1)
     for i in range(steps):
-        h_pq, cache = pq_step(params, cache, toks[:, i:i + 1], (positions + i)[:, None])
+        h_pq, cache = pq_step(params, cache, toks[:, i : i + 1], (positions + i)[:, None])
         pq_logits = model.module.head(h_pq)[:, 0]
         valid[:, t + i] = True
         total = valid.sum(axis=1)
         lens, wl = np.asarray(cache.lengths), np.asarray(cache.window_lengths)
         np.testing.assert_array_equal(lens + wl, total)
         coded = valid & (np.cumsum(valid, axis=1) <= lens[:, None])
-        ref_logits, ek, ev = ref_step(params, ek, ev, valid, coded, toks[:, i:i + 1], (positions + i)[:, None], t + i)
+        ref_logits, ek, ev = ref_step(
+            params, ek, ev, valid, coded, toks[:, i : i + 1], (positions + i)[:, None], t + i
+        )
         np.testing.assert_allclose(pq_logits, ref_logits, atol=1e-4, rtol=1e-4)
     # bookkeeping: flush when the window is full, so 1..R tokens stay exact
     n = np.array([8, 5]) + steps
@@ -106,8 +121,9 @@ def test_greedy_pq_generation_300_steps_across_flushes(model):
     ids = np.random.default_rng(4).integers(3, 97, (2, 10)).astype(np.int32)
     mask = np.ones_like(ids, bool)
     mask[0, :4] = False
-    out = jaxlongctx.generate(model, ids, 300, attention_mask=mask, eos_id=-1, kv_cache="pq", codebooks=cb,
-                              pq_window=128)
+    out = jaxlongctx.generate(
+        model, ids, 300, attention_mask=mask, eos_id=-1, kv_cache="pq", codebooks=cb, pq_window=128
+    )
     assert out.shape == (2, 310) and ((out[:, 10:] >= 0) & (out[:, 10:] < CFG.vocab_size)).all()
     dense = jaxlongctx.generate(model, ids, 1, attention_mask=mask, eos_id=-1)
     np.testing.assert_array_equal(out[:, 10], dense[:, 10])  # prefill attends in full precision
@@ -124,8 +140,17 @@ def test_pq_generation_errors(model):
         jaxlongctx.generate(model, ids, 2, kv_cache="pq")
     with pytest.raises(ValueError, match="pq_window"):
         jaxlongctx.generate(model, ids, 2, kv_cache="pq", codebooks=cb, pq_window=0)
-    other = Codebooks(cb.key_centroids, cb.value_centroids, "shared", 2, 4, 16, 2, 2,
-                      metadata={"model_fingerprint": "0123456789abcdef"})
+    other = Codebooks(
+        cb.key_centroids,
+        cb.value_centroids,
+        "shared",
+        2,
+        4,
+        16,
+        2,
+        2,
+        metadata={"model_fingerprint": "0123456789abcdef"},
+    )
     with pytest.raises(ValueError, match="calibrated on another model"):
         jaxlongctx.generate(model, ids, 2, kv_cache="pq", codebooks=other)
     from jaxlongctx.armt.config import ARMTConfig

@@ -71,8 +71,11 @@ def hf_dir(ckpt, tmp_path_factory) -> Path:
 def test_overwrite_refuses_a_directory_we_did_not_write(command, hf_dir, ckpt, tmp_path, capsys):
     user = _user_dir(tmp_path / "user")
     before = _snapshot(user)
-    argv = (["convert", "--hf-dir", str(hf_dir)] if command == "convert"
-            else ["calibrate", "--model", str(ckpt), "--iters", "1", "--max-tokens", "256"])
+    argv = (
+        ["convert", "--hf-dir", str(hf_dir)]
+        if command == "convert"
+        else ["calibrate", "--model", str(ckpt), "--iters", "1", "--max-tokens", "256"]
+    )
     assert main([*argv, "--out", str(user), "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert "not written by jaxlongctx" in err and err.count("error:") == 1
@@ -96,12 +99,17 @@ def test_output_equal_to_or_containing_the_input_is_refused(tmp_path, capsys):
 def test_train_save_refuses_existing_or_foreign_directories_before_training(command, tmp_path, capsys):
     user = _user_dir(tmp_path / "user")
     before = _snapshot(user)
-    run = ["train-lm", "--quick"] if command == "train-lm" else [
-        "train-armt", "--base", str(REPO / "jaxlongctx/assets/base_model"), "--curriculum", "128:1:1"]
+    run = (
+        ["train-lm", "--quick"]
+        if command == "train-lm"
+        else ["train-armt", "--base", str(REPO / "jaxlongctx/assets/base_model"), "--curriculum", "128:1:1"]
+    )
     t0 = time.perf_counter()
     assert main([*run, "--out", str(tmp_path / "run"), "--save", str(user), "--no-progress"]) == 2
     assert "already exists" in capsys.readouterr().err
-    assert main([*run, "--out", str(tmp_path / "run"), "--save", str(user), "--overwrite", "--no-progress"]) == 2
+    assert (
+        main([*run, "--out", str(tmp_path / "run"), "--save", str(user), "--overwrite", "--no-progress"]) == 2
+    )
     assert "not written by jaxlongctx" in capsys.readouterr().err
     assert time.perf_counter() - t0 < 60  # refused up front, not after training
     assert _snapshot(user) == before
@@ -126,14 +134,13 @@ def test_replace_keeps_unrelated_files_and_swaps_whole_directories(tmp_path):
 
 def test_a_directory_created_at_the_output_while_writing_is_left_untouched(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(OutputError, match="appeared while"):
-        with atomic_directory(out) as tmp:
-            (tmp / "ours").write_text("x")
-            _user_dir(out)
+    with pytest.raises(OutputError, match="appeared while"), atomic_directory(out) as tmp:
+        (tmp / "ours").write_text("x")
+        _user_dir(out)
     assert (out / "thesis.txt").read_text() == "years of work" and not (out / "ours").exists()
-    with pytest.raises(OutputError, match="appeared while"):  # an empty one too
-        with atomic_directory(tmp_path / "empty"):
-            (tmp_path / "empty").mkdir()
+    # an empty one too
+    with pytest.raises(OutputError, match="appeared while"), atomic_directory(tmp_path / "empty"):
+        (tmp_path / "empty").mkdir()
     assert (tmp_path / "empty").is_dir()
     assert _leftovers(tmp_path) == []
 
@@ -153,9 +160,14 @@ def test_leftovers_of_a_killed_writer_are_cleaned_or_restored(tmp_path, capsys):
 
 def _kill_during(mode: str, target: Path, delay: float, *extra: str) -> list[str]:
     """Run the looping writer, kill -9 it `delay` s after its first write; returns its output lines."""
-    proc = subprocess.Popen([sys.executable, str(WORKER), mode, str(target), *extra], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), mode, str(target), *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
+    )
     try:
         first = proc.stdout.readline().strip()
         assert first == "ready", f"worker failed to start ({first!r})"
@@ -191,9 +203,13 @@ def test_kill_9_while_training_leaves_a_resumable_run(tmp_path):
     for delay in (0.05, 0.3):
         _kill_during("train", run, delay)
         assert latest_checkpoint(run) is not None
-        trainer = Trainer(lambda p, _f, b: jnp.mean((p["w"] - b["x"]) ** 2), {"w": jnp.ones((64, 64))},
-                          optax.sgd(0.1), lambda step: {"x": np.zeros((64, 64), np.float32)},
-                          TrainerConfig(steps=10**6, out_dir=run, ckpt_every=1, progress=False))
+        trainer = Trainer(
+            lambda p, _f, b: jnp.mean((p["w"] - b["x"]) ** 2),
+            {"w": jnp.ones((64, 64))},
+            optax.sgd(0.1),
+            lambda step: {"x": np.zeros((64, 64), np.float32)},
+            TrainerConfig(steps=10**6, out_dir=run, ckpt_every=1, progress=False),
+        )
         assert trainer.maybe_resume() and trainer.step >= 1
 
 
@@ -212,7 +228,9 @@ def tiny_disk(tmp_path):
     """A 256 KiB file system (tmpfs), smaller than the tiny model,, where mounting is permitted (root on Linux)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root); free space is still checked by the test above")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
@@ -230,8 +248,10 @@ def test_a_full_disk_is_an_error_not_a_crash(hf_dir, tiny_disk, monkeypatch, cap
 
 
 # --- silent wrong results -------------------------------------------------------------------------
-@pytest.mark.parametrize("field,value,match", [
-    ("num_layers", 3, "layers"), ("vocab_size", 300, "embed"), ("hidden_size", 48, "embed")])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [("num_layers", 3, "layers"), ("vocab_size", 300, "embed"), ("hidden_size", 48, "embed")],
+)
 def test_config_not_matching_the_stored_tensors_is_refused(ckpt, tmp_path, field, value, match):
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
@@ -299,7 +319,17 @@ def test_eval_ppl_refuses_a_vocabulary_smaller_than_the_tokenizer(tmp_path, caps
 
 
 def test_resume_with_changed_settings_is_refused(tmp_path, capsys):
-    run = ["train-lm", "--quick", "--steps", "2", "--ckpt-every", "1", "--out", str(tmp_path / "run"), "--no-progress"]
+    run = [
+        "train-lm",
+        "--quick",
+        "--steps",
+        "2",
+        "--ckpt-every",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+        "--no-progress",
+    ]
     assert main([*run, "--lr", "0.003"]) == 0
     capsys.readouterr()
     assert main([*run, "--lr", "0.001"]) == 2
@@ -341,6 +371,7 @@ def _bad_inputs(root: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:
         def edit(d: Path) -> None:
             meta = json.loads((d / "config.json").read_text())
             (d / "config.json").write_text(json.dumps(change(meta)))
+
         return edit
 
     def drop(key):
@@ -348,23 +379,53 @@ def _bad_inputs(root: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:
 
     hf = root / "hf_zero_heads"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
-                                                "intermediate_size": 8, "num_hidden_layers": 1,
-                                                "num_attention_heads": 0}))
+    (hf / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 10,
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 0,
+            }
+        )
+    )
     hf_str = root / "hf_string"
     shutil.copytree(hf, hf_str)
-    (hf_str / "config.json").write_text((hf / "config.json").read_text().replace('"hidden_size": 8', '"hidden_size": "eight"'))
+    (hf_str / "config.json").write_text(
+        (hf / "config.json").read_text().replace('"hidden_size": 8', '"hidden_size": "eight"')
+    )
     gen = ["generate", "--ids", "1 2"]
     return {
-        "config_is_list": ([*gen, "--ckpt", str(variant("list", lambda d: (d / "config.json").write_text("[1, 2]")))],
-                           "config.json"),
+        "config_is_list": (
+            [*gen, "--ckpt", str(variant("list", lambda d: (d / "config.json").write_text("[1, 2]")))],
+            "config.json",
+        ),
         "zero_heads": ([*gen, "--ckpt", str(hf)], "num_attention_heads"),
         "string_number": ([*gen, "--ckpt", str(hf_str)], "hidden_size"),
-        "garbage_tokenizer": ([*gen, "--ckpt", str(variant(
-            "garbage_tok", lambda d: (d / "tokenizer.json").write_bytes(b"\xff\xfe garbage")))], "tokenizer.json"),
-        "tokenizer_is_dir": ([*gen, "--ckpt", str(variant(
-            "dir_tok", lambda d: ((d / "tokenizer.json").unlink(), (d / "tokenizer.json").mkdir())))],
-            "tokenizer.json"),
+        "garbage_tokenizer": (
+            [
+                *gen,
+                "--ckpt",
+                str(
+                    variant("garbage_tok", lambda d: (d / "tokenizer.json").write_bytes(b"\xff\xfe garbage"))
+                ),
+            ],
+            "tokenizer.json",
+        ),
+        "tokenizer_is_dir": (
+            [
+                *gen,
+                "--ckpt",
+                str(
+                    variant(
+                        "dir_tok", lambda d: ((d / "tokenizer.json").unlink(), (d / "tokenizer.json").mkdir())
+                    )
+                ),
+            ],
+            "tokenizer.json",
+        ),
         "no_config_field": ([*gen, "--ckpt", str(variant("noconf", drop("config")))], "'config'"),
         "no_dtype_field": ([*gen, "--ckpt", str(variant("nodtype", drop("dtype")))], "'dtype'"),
         "huge_id": (["generate", "--ckpt", str(ckpt), "--ids", "99999999999"], "outside the vocabulary"),
@@ -381,7 +442,12 @@ def test_bad_inputs_end_in_one_error_line(ckpt, tmp_path, capsys):
         code = main(argv)
         err = capsys.readouterr().err.strip().splitlines()
         error_lines = [line for line in err if line.startswith("error:")]
-        if code != 2 or len(error_lines) != 1 or expect not in error_lines[0] or "Traceback" in "\n".join(err):
+        if (
+            code != 2
+            or len(error_lines) != 1
+            or expect not in error_lines[0]
+            or "Traceback" in "\n".join(err)
+        ):
             failures.append((name, code, err[-3:]))
     assert not failures, failures
 
@@ -390,8 +456,13 @@ def test_the_command_line_program_exits_2_with_one_error_line(ckpt, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
     (bad / "config.json").write_text("[]")
-    proc = subprocess.run([sys.executable, "-m", "jaxlongctx.cli", "generate", "--ckpt", str(bad), "--ids", "1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxlongctx.cli", "generate", "--ckpt", str(bad), "--ids", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"{bad / 'config.json'}: must hold a JSON object" in errors[0]

@@ -22,14 +22,21 @@ from jaxlongctx.data.tokenizer import BOS_ID, encode_corpus, load_default_tokeni
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL
 from jaxlongctx.model.llama import forward
 from jaxlongctx.model.model import Model
-from jaxlongctx.train.armt_finetune import (Stage, add_train_armt_arguments, answer_logits, haystack_batch,
-                                            parse_curriculum, parse_fact_range, retrieval_loss, run_train_armt,
-                                            stage_per_step)
+from jaxlongctx.train.armt_finetune import (
+    Stage,
+    add_train_armt_arguments,
+    answer_logits,
+    haystack_batch,
+    parse_curriculum,
+    parse_fact_range,
+    retrieval_loss,
+    run_train_armt,
+    stage_per_step,
+)
 from jaxlongctx.train.data import TokenWindows, eval_windows
 from jaxlongctx.train.evaluate import forward_with_kv_transform, unigram_baseline
 from jaxlongctx.train.lm import QUICK_CONFIG, add_train_lm_arguments, run_train_lm
 from jaxlongctx.train.optim import OptimConfig, learning_rate
-
 
 
 def test_token_windows_are_a_pure_function_of_seed_and_step():
@@ -61,8 +68,25 @@ def test_warmup_cosine_schedule_and_bad_arguments():
 def _train_lm(out: Path, *extra: str) -> dict:
     parser = argparse.ArgumentParser()
     add_train_lm_arguments(parser)
-    return run_train_lm(parser.parse_args(["--quick", "--out", str(out), "--steps", "6", "--batch-size", "2",
-                                           "--context", "32", "--ckpt-every", "3", "--no-progress", *extra]))
+    return run_train_lm(
+        parser.parse_args(
+            [
+                "--quick",
+                "--out",
+                str(out),
+                "--steps",
+                "6",
+                "--batch-size",
+                "2",
+                "--context",
+                "32",
+                "--ckpt-every",
+                "3",
+                "--no-progress",
+                *extra,
+            ]
+        )
+    )
 
 
 def test_quick_training_lowers_loss_and_resumes_exactly(tmp_path):
@@ -72,7 +96,9 @@ def test_quick_training_lowers_loss_and_resumes_exactly(tmp_path):
     assert (tmp_path / "full/loss_curve.png").stat().st_size > 0
     assert math.isfinite(full["validation"]["ppl"])
     # "Interrupt" after step 3: a fresh run directory holding only the step-3 checkpoint resumes there.
-    shutil.copytree(tmp_path / "full/checkpoints/step_00000003", tmp_path / "resumed/checkpoints/step_00000003")
+    shutil.copytree(
+        tmp_path / "full/checkpoints/step_00000003", tmp_path / "resumed/checkpoints/step_00000003"
+    )
     resumed = _train_lm(tmp_path / "resumed")
     again = json.loads((tmp_path / "resumed/checkpoints/step_00000006/trainer.json").read_text())["history"]
     assert resumed["resumed"] and again["step"] == history["step"]
@@ -116,15 +142,19 @@ def test_armt_curriculum_and_answer_positions():
     flat = batch["seg_ids"].transpose(1, 0, 2).reshape(8, -1)
     np.testing.assert_array_equal(flat, batch["ids"])
     for row, n in enumerate(lengths):
-        np.testing.assert_array_equal(flat[row, n - (CODE_DIGITS - 1):n], batch["answer_ids"][row, :-1])
+        np.testing.assert_array_equal(flat[row, n - (CODE_DIGITS - 1) : n], batch["answer_ids"][row, :-1])
         assert (flat[row, n:] == 0).all()
     logits = jnp.asarray(np.arange(2 * 8 * 128, dtype=np.float32).reshape(2, 8, 128, 1))  # nS B S V=1
-    np.testing.assert_array_equal(batch["answer_pos"], lengths[:, None] - CODE_DIGITS + np.arange(CODE_DIGITS))
+    np.testing.assert_array_equal(
+        batch["answer_pos"], lengths[:, None] - CODE_DIGITS + np.arange(CODE_DIGITS)
+    )
     assert (batch["answer_mask"] == 1).all()
-    picked = np.asarray(answer_logits(logits, jnp.asarray(batch["answer_pos"]))[..., 0])  # B 4: positions n-4..n-1
+    picked = np.asarray(
+        answer_logits(logits, jnp.asarray(batch["answer_pos"]))[..., 0]
+    )  # B 4: positions n-4..n-1
     flat_logits = np.asarray(logits)[..., 0].transpose(1, 0, 2).reshape(8, -1)
     for row, n in enumerate(lengths):
-        np.testing.assert_array_equal(picked[row], flat_logits[row, n - CODE_DIGITS:n])
+        np.testing.assert_array_equal(picked[row], flat_logits[row, n - CODE_DIGITS : n])
 
     boundary = haystack_batch(0, 4, 512, load_default_tokenizer(), 128, num_facts=1, boundary_fraction=1.0)
     assert (boundary["lengths"] == 384 + CODE_DIGITS - 1).all()  # prompt of 3 whole segments, then the answer
@@ -140,20 +170,25 @@ def test_armt_curriculum_and_answer_positions():
     with pytest.raises(ValueError, match="far_fraction"):
         haystack_batch(0, 1, 256, load_default_tokenizer(), 128, num_facts=1, far_fraction=-0.1)
     train = encode_corpus("train")  # training filler is train-split text unless told otherwise
-    val = haystack_batch(0, 2, 1024, load_default_tokenizer(), 128, num_facts=1, far_fraction=1.0,
-                         filler_split="validation")
+    val = haystack_batch(
+        0, 2, 1024, load_default_tokenizer(), 128, num_facts=1, far_fraction=1.0, filler_split="validation"
+    )
     for split, filler in (("train", far), ("validation", val)):
         span = filler["ids"][0, 512:544]  # filler: the fact lies in the first fifth, the question at the end
         windows = np.lib.stride_tricks.sliding_window_view(encode_corpus(split), span.size)
         assert (windows == span).all(axis=1).any()
-        assert split == "train" or not (np.lib.stride_tricks.sliding_window_view(train, span.size) == span).all(
-            axis=1).any()
+        assert (
+            split == "train"
+            or not (np.lib.stride_tricks.sliding_window_view(train, span.size) == span).all(axis=1).any()
+        )
 
     tok = load_default_tokenizer()  # a fact range: each sample draws its own count of facts
     mixed = haystack_batch(0, 24, 512, tok, 128, num_facts=(1, 4))
     prefix = np.asarray(tok.encode(" The code of the", add_special_tokens=False).ids)
-    counts = {int((np.lib.stride_tricks.sliding_window_view(ids[:n], prefix.size) == prefix).all(axis=1).sum()) - 1
-              for ids, n in zip(mixed["ids"], mixed["lengths"])}  # minus the question's own phrase
+    counts = {
+        int((np.lib.stride_tricks.sliding_window_view(ids[:n], prefix.size) == prefix).all(axis=1).sum()) - 1
+        for ids, n in zip(mixed["ids"], mixed["lengths"])
+    }  # minus the question's own phrase
     assert counts == {1, 2, 3, 4}
     assert parse_fact_range("3") == (3, 3) and parse_fact_range("1-4") == (1, 4)
     for bad in ("0", "4-2", "x", "1-2-3"):
@@ -167,7 +202,9 @@ def test_armt_curriculum_and_answer_positions():
     for ids, n in zip(near["ids"], near["lengths"]):
         text = tok.decode(ids[:n].tolist())
         asked = re.findall(r"What is the code of the (\w+ \w+)\?", text)[0].split()
-        others = [s.split() for s, _ in _code_pairs(text[:text.index("\nWhat is the code")]) if s.split() != asked]
+        others = [
+            s.split() for s, _ in _code_pairs(text[: text.index("\nWhat is the code")]) if s.split() != asked
+        ]
         kinds.add(all(asked[0] in o or asked[1] in o for o in others))
     assert kinds == {True, False}  # near misses and samples with random subjects both occur
     with pytest.raises(ValueError, match="shared_word_fraction"):
@@ -176,10 +213,15 @@ def test_armt_curriculum_and_answer_positions():
     def code_splits(batch):  # samples whose asked code starts within 2 tokens of a segment boundary
         count = 0
         for ids, answer, n in zip(batch["ids"], batch["answer_ids"], batch["lengths"]):
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:n - CODE_DIGITS], CODE_DIGITS)
-            start = np.flatnonzero((windows == answer).all(axis=1))[0] % 128  # the asked fact's code in the prompt
-            count += start > 128 - CODE_DIGITS or start < 3  # the boundary after the subject, before the last digit
+            windows = np.lib.stride_tricks.sliding_window_view(ids[: n - CODE_DIGITS], CODE_DIGITS)
+            start = (
+                np.flatnonzero((windows == answer).all(axis=1))[0] % 128
+            )  # the asked fact's code in the prompt
+            count += (
+                start > 128 - CODE_DIGITS or start < 3
+            )  # the boundary after the subject, before the last digit
         return count
+
     assert code_splits(haystack_batch(0, 12, 1024, tok, 128, num_facts=(1, 3), split_fraction=1.0)) >= 10
     assert code_splits(haystack_batch(0, 12, 1024, tok, 128, num_facts=(1, 3))) <= 3
     with pytest.raises(ValueError, match="split_fraction"):
@@ -193,8 +235,12 @@ def test_armt_curriculum_and_answer_positions():
     answer, lm = [], []
     for row in range(2):
         x = logits[0, row]  # S V
-        answer.append(optax.softmax_cross_entropy_with_integer_labels(x[n[row] - 4:n[row]], short["answer_ids"][row]))
-        lm.append(optax.softmax_cross_entropy_with_integer_labels(x[:n[row] - 1], short["ids"][row, 1:n[row]]))
+        answer.append(
+            optax.softmax_cross_entropy_with_integer_labels(x[n[row] - 4 : n[row]], short["answer_ids"][row])
+        )
+        lm.append(
+            optax.softmax_cross_entropy_with_integer_labels(x[: n[row] - 1], short["ids"][row, 1 : n[row]])
+        )
     answer, lm = jnp.concatenate(answer).mean(), jnp.concatenate(lm).mean()
     np.testing.assert_allclose(retrieval_loss(logits, short, 0.0), answer, rtol=1e-6)
     np.testing.assert_allclose(retrieval_loss(logits, short, 0.5), answer + 0.5 * lm, rtol=1e-6)
@@ -210,8 +256,9 @@ def test_follow_up_questions_ask_every_other_fact_and_supervise_each_answer():
     assert batch["answer_ids"].shape == batch["answer_pos"].shape == (12, 4 * CODE_DIGITS)
     assert (batch["lengths"] <= 512).all()
     asked_counts = set()
-    for ids, n, digits, pos, mask in zip(batch["ids"], batch["lengths"], batch["answer_ids"], batch["answer_pos"],
-                                         batch["answer_mask"]):
+    for ids, n, digits, pos, mask in zip(
+        batch["ids"], batch["lengths"], batch["answer_ids"], batch["answer_pos"], batch["answer_mask"]
+    ):
         real = mask.astype(bool)
         asked = int(real.sum()) // CODE_DIGITS
         assert (real == (np.arange(real.size) < asked * CODE_DIGITS)).all()  # real digits first, then padding
@@ -220,10 +267,12 @@ def test_follow_up_questions_ask_every_other_fact_and_supervise_each_answer():
         assert pos[real][-1] == n - 1
         text = tok.decode(full.tolist())
         questions = re.findall(r"What is the code of the (\w+ \w+)\?", text)
-        stated = _code_pairs(text[:text.index("\nWhat is the code")])  # the facts in the prompt
+        stated = _code_pairs(text[: text.index("\nWhat is the code")])  # the facts in the prompt
         assert len(questions) == asked == len(stated) and sorted(questions) == sorted(s for s, _ in stated)
         answers = dict(stated)
-        answered = _code_pairs(text[text.index("\nWhat is the code"):])  # each question's "... is DDDD" answer
+        answered = _code_pairs(
+            text[text.index("\nWhat is the code") :]
+        )  # each question's "... is DDDD" answer
         assert [(s, answers[s]) for s in questions] == answered
         asked_counts.add(asked)
     assert asked_counts == {1, 2, 3, 4}
@@ -233,9 +282,12 @@ def test_follow_up_questions_ask_every_other_fact_and_supervise_each_answer():
     assert (tight["lengths"] <= 160).all() and (counts >= 1).all() and (counts < 4).all()
     logits = jax.random.normal(jax.random.key(1), (2, 8, 128, 4096))
     flat = np.asarray(logits).transpose(1, 0, 2, 3).reshape(8, 256, 4096)
-    expected = [optax.softmax_cross_entropy_with_integer_labels(flat[b, p], d)
-                for b in range(8) for p, d, m in zip(tight["answer_pos"][b], tight["answer_ids"][b],
-                                                      tight["answer_mask"][b]) if m]
+    expected = [
+        optax.softmax_cross_entropy_with_integer_labels(flat[b, p], d)
+        for b in range(8)
+        for p, d, m in zip(tight["answer_pos"][b], tight["answer_ids"][b], tight["answer_mask"][b])
+        if m
+    ]
     np.testing.assert_allclose(retrieval_loss(logits, tight, 0.0), np.mean(expected), rtol=1e-5)
 
 
@@ -245,12 +297,32 @@ def test_train_armt_runs_its_curriculum_and_saves_a_loadable_model(tmp_path):
 
     parser = argparse.ArgumentParser()
     add_train_armt_arguments(parser)
-    args = ["--base", str(BASE_MODEL), "--out", str(tmp_path / "run"), "--save", str(tmp_path / "armt"),
-            "--curriculum", "64:2:2,256:2:2", "--ckpt-every", "2", "--eval-lengths", "256", "--eval-samples", "2",
-            "--num-facts", "1-2", "--no-progress"]
+    args = [
+        "--base",
+        str(BASE_MODEL),
+        "--out",
+        str(tmp_path / "run"),
+        "--save",
+        str(tmp_path / "armt"),
+        "--curriculum",
+        "64:2:2,256:2:2",
+        "--ckpt-every",
+        "2",
+        "--eval-lengths",
+        "256",
+        "--eval-samples",
+        "2",
+        "--num-facts",
+        "1-2",
+        "--no-progress",
+    ]
     summary = run_train_armt(parser.parse_args(args))
     assert summary["steps"] == 4 and [st["tokens"] for st in summary["curriculum"]] == [64, 256]
-    assert summary["num_facts"] == [1, 2] and summary["filler_split"] == "train" and summary["segmentation"] == "fixed"
+    assert (
+        summary["num_facts"] == [1, 2]
+        and summary["filler_split"] == "train"
+        and summary["segmentation"] == "fixed"
+    )
     assert np.isfinite(summary["final_loss"]) and summary["accuracy"][0]["samples"] == 2
     history = json.loads((tmp_path / "run/checkpoints/step_00000004/trainer.json").read_text())["history"]
     assert len(history["loss"]) == 4
@@ -259,19 +331,46 @@ def test_train_armt_runs_its_curriculum_and_saves_a_loadable_model(tmp_path):
     out = armt(np.full((1, 200), 5, np.int32))
     assert out.shape == (1, 200, 4096) and np.isfinite(np.asarray(out)).all()
 
-    again = ["--init", str(tmp_path / "armt"), "--out", str(tmp_path / "run2"), "--save", str(tmp_path / "armt2"),
-             "--curriculum", "256:1:2", "--no-progress"]
+    again = [
+        "--init",
+        str(tmp_path / "armt"),
+        "--out",
+        str(tmp_path / "run2"),
+        "--save",
+        str(tmp_path / "armt2"),
+        "--curriculum",
+        "256:1:2",
+        "--no-progress",
+    ]
     with pytest.raises(ValueError, match="--segment-size only apply with --base"):
         run_train_armt(parser.parse_args(again + ["--segment-size", "64"]))
-    summary = run_train_armt(parser.parse_args(again + ["--follow-ups", "--num-facts", "3",
-                                                        "--shared-word-fraction", "0.5",
-                                                        "--filler-split", "validation",
-                                                        "--segmentation", "sentences"]))
+    summary = run_train_armt(
+        parser.parse_args(
+            again
+            + [
+                "--follow-ups",
+                "--num-facts",
+                "3",
+                "--shared-word-fraction",
+                "0.5",
+                "--filler-split",
+                "validation",
+                "--segmentation",
+                "sentences",
+            ]
+        )
+    )
     assert summary["init"] == str(tmp_path / "armt") and summary["armt_config"]["segment_size"] == 128
-    assert summary["follow_ups"] and summary["shared_word_fraction"] == 0.5 and np.isfinite(summary["final_loss"])
+    assert (
+        summary["follow_ups"]
+        and summary["shared_word_fraction"] == 0.5
+        and np.isfinite(summary["final_loss"])
+    )
     assert summary["filler_split"] == "validation" and summary["segmentation"] == "sentences"
     further = load(tmp_path / "armt2")
-    assert further.armt == armt.armt and float(jnp.abs(further(np.full((1, 200), 5, np.int32)) - out).max()) > 0
+    assert (
+        further.armt == armt.armt and float(jnp.abs(further(np.full((1, 200), 5, np.int32)) - out).max()) > 0
+    )
     with pytest.raises(SystemExit):  # --base and --init exclude each other
         parser.parse_args(["--base", "a", "--init", "b", "--out", "c"])
 
@@ -280,9 +379,9 @@ def test_train_armt_runs_its_curriculum_and_saves_a_loadable_model(tmp_path):
 def test_shipped_base_model_exports_to_transformers(tmp_path):
     import torch
     import transformers
+    from hf_oracle import hf_logits
 
     from convert.hf_llama import export_ckpt_to_hf
-    from hf_oracle import hf_logits
     from jaxlongctx.loading import load
 
     ours = load(BASE_MODEL, "fp32")
@@ -300,15 +399,34 @@ def test_eval_ppl_of_shipped_model_beats_unigram():
 
     parser = argparse.ArgumentParser()
     add_eval_ppl_arguments(parser)
-    out = run_eval_ppl(parser.parse_args(["--ckpt", str(BASE_MODEL), "--max-tokens", "1024", "--context", "256",
-                                          "--batch-size", "4", "--baseline"]))
+    out = run_eval_ppl(
+        parser.parse_args(
+            [
+                "--ckpt",
+                str(BASE_MODEL),
+                "--max-tokens",
+                "1024",
+                "--context",
+                "256",
+                "--batch-size",
+                "4",
+                "--baseline",
+            ]
+        )
+    )
     assert out["tokens"] == 1024 and out["ppl"] < 0.7 * out["unigram"]["ppl"]
     with pytest.raises(ValueError, match="--context"):
         run_eval_ppl(parser.parse_args(["--ckpt", str(BASE_MODEL), "--context", "0"]))
 
 
-def _ngram_copy_logits(ids: np.ndarray, window: int | None, prompt_length: int | None = None, vocab: int = 4096,
-                       n: int = 3, lookback: int | None = None) -> np.ndarray:
+def _ngram_copy_logits(
+    ids: np.ndarray,
+    window: int | None,
+    prompt_length: int | None = None,
+    vocab: int = 4096,
+    n: int = 3,
+    lookback: int | None = None,
+) -> np.ndarray:
     """An exact in-context copier: at each position, predict the token that followed the last earlier
     occurrence of the current n-gram, looking back only within the position's `window`-token segment
     (with `prompt_length`, ARMT's decoding layout: positions after the prompt's last segment opened
@@ -322,9 +440,9 @@ def _ngram_copy_logits(ids: np.ndarray, window: int | None, prompt_length: int |
             if opened is not None and opened <= pos < opened + 2 * window:
                 start = opened
             start = start if lookback is None else max(start, pos - lookback)
-            key = tuple(ids[row, pos - n + 1:pos + 1])
+            key = tuple(ids[row, pos - n + 1 : pos + 1])
             for j in range(pos - 1, max(start, n - 1) - 1, -1):
-                if tuple(ids[row, j - n + 1:j + 1]) == key:
+                if tuple(ids[row, j - n + 1 : j + 1]) == key:
                     logits[row, pos, ids[row, j + 1]] = 1.0
                     break
     return logits
@@ -336,6 +454,7 @@ def test_retrieval_accuracy_splits_attention_from_memory():
     def score(window, length, samples=8, layout=True, **kw):
         def model(ids, prompt_length):
             return _ngram_copy_logits(ids, window, prompt_length if layout else None)
+
         return retrieval_accuracy(model, length, samples, batch_size=4, num_facts=1, **kw)
 
     full = score(None, 380, segment_size=128)  # answer digits predicted at 379..382: all in segment 2
@@ -350,8 +469,13 @@ def test_retrieval_accuracy_splits_attention_from_memory():
         score(None, 380, split_facts=True)
     # the splits follow the model's cut: sentence segments keep every shifted fact in one segment
     segmenter = SentenceSegmenter(load_default_tokenizer())
-    by_sentences = score(None, 380, segment_size=128, split_facts=True,
-                         segment_starts=lambda ids, lengths: segmenter.row_starts(ids, lengths, 128))
+    by_sentences = score(
+        None,
+        380,
+        segment_size=128,
+        split_facts=True,
+        segment_starts=lambda ids, lengths: segmenter.row_starts(ids, lengths, 128),
+    )
     assert by_sentences["code_split_samples"] == 0 and by_sentences["code_whole_samples"] == 8
     assert by_sentences["in_segment_samples"] + by_sentences["from_memory_samples"] == 8
     windowed = score(128, 380, segment_size=128)  # sees only its own segment, like attention in ARMT
@@ -380,15 +504,18 @@ def test_exact_match_interval_is_the_wilson_interval():
     wide, narrow = exact_match_interval(7, 8), exact_match_interval(56, 64)  # same rate, 8x the samples
     assert wide[0] < narrow[0] < 7 / 8 < narrow[1] < wide[1]
     half_confidence = exact_match_interval(right, n, confidence=0.5)
-    assert expected[0] < half_confidence[0] < p < half_confidence[1] < expected[1]  # less confidence, narrower
+    assert (
+        expected[0] < half_confidence[0] < p < half_confidence[1] < expected[1]
+    )  # less confidence, narrower
 
 
 def test_retrieval_accuracy_by_fact_depth():
     from jaxlongctx.train.evaluate import retrieval_accuracy
 
     # A copier that sees 128 tokens back finds facts in the prompt's last quarter, never in its first half.
-    out = retrieval_accuracy(lambda ids, n: _ngram_copy_logits(ids, None, lookback=128), 512, 16, batch_size=4,
-                             num_facts=1)
+    out = retrieval_accuracy(
+        lambda ids, n: _ngram_copy_logits(ids, None, lookback=128), 512, 16, batch_size=4, num_facts=1
+    )
     depth = out["by_depth"]
     assert [d["depth"] for d in depth] == [[0.0, 0.25], [0.25, 0.5], [0.5, 0.75], [0.75, 1.0]]
     assert sum(d["samples"] for d in depth) == 16
@@ -407,8 +534,10 @@ def test_retrieval_accuracy_counts_wrong_digits_and_first_digits_of_another_fact
     from jaxlongctx.train.evaluate import retrieval_accuracy
 
     length, samples, batch_size = 512, 12, 4
-    batches = [held_out_batch(range(i, i + batch_size), length, load_default_tokenizer())
-               for i in range(0, samples, batch_size)]
+    batches = [
+        held_out_batch(range(i, i + batch_size), length, load_default_tokenizer())
+        for i in range(0, samples, batch_size)
+    ]
 
     def first_fact_answerer(ids, prompt_length):  # always answers the code of the prompt's first fact
         raw = next(b for b in batches if np.array_equal(b["ids"], ids[:, :prompt_length]))
@@ -425,16 +554,25 @@ def test_retrieval_accuracy_counts_wrong_digits_and_first_digits_of_another_fact
     first = np.concatenate([b["fact_answer_ids"][:, 0, 0] != b["answer_ids"][:, 0] for b in batches])
     assert 0 < first.sum() < samples  # some wrong answers start with a wrong first digit, some do not
     assert out["first_digit_other_fact_rate"] == first.mean()
-    wrong = 1.0 - np.concatenate([b["fact_answer_ids"][:, 0] == b["answer_ids"] for b in batches]).mean(axis=0)
+    wrong = 1.0 - np.concatenate([b["fact_answer_ids"][:, 0] == b["answer_ids"] for b in batches]).mean(
+        axis=0
+    )
     assert out["wrong_digit_rate"] == pytest.approx(wrong.tolist())
-    assert out["shared_word_samples"] == shared.sum() and out["distinct_words_samples"] == samples - shared.sum()
+    assert (
+        out["shared_word_samples"] == shared.sum() and out["distinct_words_samples"] == samples - shared.sum()
+    )
     assert out["shared_word_exact_match"] == (target[shared] == 0).mean()
-    batches = [held_out_batch(range(i, min(i + 5, samples)), length, load_default_tokenizer())
-               for i in range(0, samples, 5)]
+    batches = [
+        held_out_batch(range(i, min(i + 5, samples)), length, load_default_tokenizer())
+        for i in range(0, samples, 5)
+    ]
     assert retrieval_accuracy(first_fact_answerer, length, samples, batch_size=5) == out  # same prompts
-    near = retrieval_accuracy(lambda ids, n: np.zeros((*ids.shape, 4096), np.float32), length, 4, batch_size=2,
-                              shared_word=True)
-    assert near["shared_word_haystack"] and near["shared_word_samples"] == 4 and not out["shared_word_haystack"]
+    near = retrieval_accuracy(
+        lambda ids, n: np.zeros((*ids.shape, 4096), np.float32), length, 4, batch_size=2, shared_word=True
+    )
+    assert (
+        near["shared_word_haystack"] and near["shared_word_samples"] == 4 and not out["shared_word_haystack"]
+    )
 
 
 @pytest.mark.skipif(not ARMT_MODEL.is_dir(), reason="ARMT model asset not built yet")
@@ -450,7 +588,7 @@ def test_teacher_forced_exact_match_is_greedy_decoding_of_the_shipped_armt():
     armt = load(ARMT_MODEL, "fp32")
     raw = make_batch(eval_seed(0), 16, 128, load_default_tokenizer(), num_facts=4)  # one segment
     logits = armt.generation_logits(answer_inputs(raw["ids"], raw["answer_ids"]), 128)
-    forced = np.asarray(jnp.argmax(logits[:, 127:127 + CODE_DIGITS], axis=-1))
+    forced = np.asarray(jnp.argmax(logits[:, 127 : 127 + CODE_DIGITS], axis=-1))
     greedy = generate_ids(armt, raw["ids"], CODE_DIGITS)[:, -CODE_DIGITS:]
     forced_right = (forced == raw["answer_ids"]).all(axis=1)
     assert 0 < forced_right.sum() < 16  # both outcomes occur in these samples

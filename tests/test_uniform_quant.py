@@ -15,14 +15,18 @@ def _group_scale(x: np.ndarray, bits: int, group: int) -> np.ndarray:
     scale = np.empty_like(x)
     for start in range(0, a, group):
         g = x[..., start : start + group]
-        scale[..., start : start + group] = (g.max(-1, keepdims=True) - g.min(-1, keepdims=True)) / (2**bits - 1)
+        scale[..., start : start + group] = (g.max(-1, keepdims=True) - g.min(-1, keepdims=True)) / (
+            2**bits - 1
+        )
     return scale
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_error_within_half_step(bits: int) -> None:
     rng = np.random.default_rng(0)
-    x = (rng.normal(size=(2, 70, 48)) * rng.uniform(0.1, 10, size=(1, 1, 48))).astype(np.float32)  # T=70, D=48
+    x = (rng.normal(size=(2, 70, 48)) * rng.uniform(0.1, 10, size=(1, 1, 48))).astype(
+        np.float32
+    )  # T=70, D=48
     k_hat = np.asarray(fake_quantize_keys(x, bits, scale_dtype=jnp.float32))
     v_hat = np.asarray(fake_quantize_values(x, bits, scale_dtype=jnp.float32))
     k_scale = np.swapaxes(_group_scale(np.swapaxes(x, -1, -2), bits, 32), -1, -2)

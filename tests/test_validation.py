@@ -10,8 +10,15 @@ import pytest
 import jaxlongctx
 from jaxlongctx.config import ConfigError, ModelConfig
 
-CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                  num_kv_heads=1, head_dim=16)
+CFG = ModelConfig(
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+)
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +26,16 @@ def model():
     return jaxlongctx.Model.init(CFG)
 
 
-@pytest.mark.parametrize("ids, match", [
-    (np.array([[1, 50]]), "token id 50 outside the vocabulary"),
-    (np.array([[-1, 3]]), "token id -1 outside the vocabulary"),
-    (np.array([[1.0, 2.0]]), "ids must be an integer array"),
-    (np.zeros((1, 2, 3), np.int32), r"ids must have shape \[batch, length\]"),
-    (np.zeros((1, 0), np.int32), "ids must not be empty"),
-])
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        (np.array([[1, 50]]), "token id 50 outside the vocabulary"),
+        (np.array([[-1, 3]]), "token id -1 outside the vocabulary"),
+        (np.array([[1.0, 2.0]]), "ids must be an integer array"),
+        (np.zeros((1, 2, 3), np.int32), r"ids must have shape \[batch, length\]"),
+        (np.zeros((1, 0), np.int32), "ids must not be empty"),
+    ],
+)
 def test_bad_ids(model, ids, match):
     with pytest.raises(ValueError, match=match):
         model(ids)
@@ -61,9 +71,17 @@ def test_bad_configs():
     with pytest.raises(ConfigError, match="multiple of num_key_value_heads"):
         dataclasses.replace(CFG, num_heads=3, num_kv_heads=2)
     with pytest.raises(ConfigError, match="unsupported rope scaling type 'yarn'"):
-        ModelConfig.from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-                             "num_hidden_layers": 1, "num_attention_heads": 2,
-                             "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+        ModelConfig.from_hf(
+            {
+                "model_type": "llama",
+                "vocab_size": 8,
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
+            }
+        )
     with pytest.raises(ConfigError, match="missing required field 'vocab_size'"):
         ModelConfig.from_hf({"model_type": "llama"})
 

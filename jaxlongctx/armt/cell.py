@@ -48,15 +48,26 @@ def segment_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, key_valid:
     lead = q.shape[:-3]
     if len(lead) == 1:
         return causal_prefill_attention(q, k, v, key_valid, chunk=CELL_ATTENTION_CHUNK)
-    rows = lambda x, tail: x.reshape(-1, *x.shape[-tail:])  # noqa: E731 - the leading axes as one batch
-    out = causal_prefill_attention(rows(q, 3), rows(k, 3), rows(v, 3), rows(key_valid, 1),
-                                   chunk=CELL_ATTENTION_CHUNK)
+    rows = lambda x, tail: x.reshape(-1, *x.shape[-tail:])
+    out = causal_prefill_attention(
+        rows(q, 3), rows(k, 3), rows(v, 3), rows(key_valid, 1), chunk=CELL_ATTENTION_CHUNK
+    )
     return out.reshape(*lead, *out.shape[1:])
 
 
-def cell(cfg: ARMTConfig, inv_freq: np.ndarray, layer: DecoderLayer, mem: LayerMemory, h: jnp.ndarray,
-         A: jnp.ndarray, z: jnp.ndarray, n: jnp.ndarray, first: jnp.ndarray, dense: Dense = matmul,
-         proj: Project = project) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+def cell(
+    cfg: ARMTConfig,
+    inv_freq: np.ndarray,
+    layer: DecoderLayer,
+    mem: LayerMemory,
+    h: jnp.ndarray,
+    A: jnp.ndarray,
+    z: jnp.ndarray,
+    n: jnp.ndarray,
+    first: jnp.ndarray,
+    dense: Dense = matmul,
+    proj: Project = project,
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Segment buffers `h [B, R, D]` through one layer with its memory `A [B, dk, D]`, `z [B, dk]`;
     `n [B]` tokens per row, `first [B]`. Returns the layer output and the updated state."""
     a0 = jnp.where(first[..., None, None], 0, A).astype(A.dtype)
@@ -66,6 +77,6 @@ def cell(cfg: ARMTConfig, inv_freq: np.ndarray, layer: DecoderLayer, mem: LayerM
     cos, sin = rope_tables(positions, inv_freq)
     q, k, v = layer.project_qkv(h, cos, sin, dense)
     h = layer.finish(h, segment_attention(q, k, v, key_valid), dense)
-    a1, z1 = write(h[..., cfg.segment_size:, :], mem, a0, z0, first, proj)
+    a1, z1 = write(h[..., cfg.segment_size :, :], mem, a0, z0, first, proj)
     writes = n > 0
     return h, jnp.where(writes[..., None, None], a1, A), jnp.where(writes[..., None], z1, z)

@@ -41,10 +41,16 @@ class ARMTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (checkpoint metadata)."""
-        return {"segment_size": self.segment_size, "num_mem_tokens": self.num_mem_tokens,
-                "d_mem": self.d_mem, "state_dtype": self.state_dtype.name}
+        return {
+            "segment_size": self.segment_size,
+            "num_mem_tokens": self.num_mem_tokens,
+            "d_mem": self.d_mem,
+            "state_dtype": self.state_dtype.name,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ARMTConfig:
         """Inverse of `to_dict`."""
-        return cls(int(d["segment_size"]), int(d["num_mem_tokens"]), int(d["d_mem"]), jnp.dtype(d["state_dtype"]))
+        return cls(
+            int(d["segment_size"]), int(d["num_mem_tokens"]), int(d["d_mem"]), jnp.dtype(d["state_dtype"])
+        )

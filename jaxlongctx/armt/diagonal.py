@@ -68,16 +68,20 @@ def empty_pipeline(model: Any, state: MemoryState) -> Pipeline:
     """A pipeline with no segment in flight, holding memory `state`."""
     cfg, armt = model.config, model.armt
     L, b = cfg.num_layers, state.A.shape[1]
-    h, n, first = (jnp.zeros((L, b, armt.rows, cfg.hidden_size), model.dtype), jnp.zeros((L, b), jnp.int32),
-                   jnp.zeros((L, b), bool))
+    h, n, first = (
+        jnp.zeros((L, b, armt.rows, cfg.hidden_size), model.dtype),
+        jnp.zeros((L, b), jnp.int32),
+        jnp.zeros((L, b), bool),
+    )
     mesh = model.base.mesh
     if mesh is not None:  # segment rows split like the memory state's rows
         h, n, first = (jax.device_put(x, batch_sharding(mesh, x.shape, axis=1)) for x in (h, n, first))
     return Pipeline(h, n, first, state.A, state.z)
 
 
-def plan(occupied: tuple[int, int] | None, inputs: int, drain: bool, num_layers: int
-         ) -> tuple[list[Block], tuple[int, int] | None]:
+def plan(
+    occupied: tuple[int, int] | None, inputs: int, drain: bool, num_layers: int
+) -> tuple[list[Block], tuple[int, int] | None]:
     """Steps that push `inputs` segments into a pipeline whose slots `[lo, hi)` are occupied (None:
     empty), then drain it if asked; consecutive all-layer steps are grouped into scanned chunks.
     Returns the blocks and the new occupancy."""
@@ -131,9 +135,20 @@ def block_inputs(block: Block) -> int:
     return block[1] if block[0] == "full" else sum(s[2] for s in block[1])
 
 
-def _step(model: Any, cpu: CPUExecution, projections: DiagonalProjections, graphdef: nnx.GraphDef, layer_state: Any,
-          mem: Any, memory: jnp.ndarray, base: Any, pipe: Pipeline, a: int, b: int, seg: tuple | None
-          ) -> tuple[Pipeline, jnp.ndarray | None]:
+def _step(
+    model: Any,
+    cpu: CPUExecution,
+    projections: DiagonalProjections,
+    graphdef: nnx.GraphDef,
+    layer_state: Any,
+    mem: Any,
+    memory: jnp.ndarray,
+    base: Any,
+    pipe: Pipeline,
+    a: int,
+    b: int,
+    seg: tuple | None,
+) -> tuple[Pipeline, jnp.ndarray | None]:
     """One diagonal: layers `[a, b)` as one grouped or vmapped cell call; returns the pipeline and the
     logits `[B, S, V]` of the segment leaving the last layer (None if none leaves)."""
     armt, L = model.armt, model.config.num_layers
@@ -148,28 +163,48 @@ def _step(model: Any, cpu: CPUExecution, projections: DiagonalProjections, graph
 
     def layer_cell(xs):  # one layer's cell, its weights read in place from the stacked ones
         layer, *rest = xs
-        return one(jax.tree.map(lambda w: w[layer], layer_state), jax.tree.map(lambda w: w[layer], mem), *rest)
+        return one(
+            jax.tree.map(lambda w: w[layer], layer_state), jax.tree.map(lambda w: w[layer], mem), *rest
+        )
 
     if projections.resolve(model.base.mesh is not None) == "grouped_matmul":
         layer, lm = grouped_weights(graphdef, layer_state, mem, a, b)
         dense, proj = grouped_products(a, b - a, projections.kernel)
-        out, a2, z2 = cell(armt, model.inv_freq, layer, lm, h[a:b], A[a:b], z[a:b], n[a:b], first[a:b], dense, proj)
-    elif batch_cells(cpu, b - a, L, h.shape[1], armt.rows):  # [a, b) is a static window of the stacked weights
-        window = lambda x: x[a:b]  # noqa: E731
-        out, a2, z2 = jax.vmap(one)(jax.tree.map(window, layer_state), jax.tree.map(window, mem),
-                                    h[a:b], A[a:b], z[a:b], n[a:b], first[a:b])
+        out, a2, z2 = cell(
+            armt, model.inv_freq, layer, lm, h[a:b], A[a:b], z[a:b], n[a:b], first[a:b], dense, proj
+        )
+    elif batch_cells(
+        cpu, b - a, L, h.shape[1], armt.rows
+    ):  # [a, b) is a static window of the stacked weights
+        window = lambda x: x[a:b]
+        out, a2, z2 = jax.vmap(one)(
+            jax.tree.map(window, layer_state),
+            jax.tree.map(window, mem),
+            h[a:b],
+            A[a:b],
+            z[a:b],
+            n[a:b],
+            first[a:b],
+        )
     else:
         out, a2, z2 = jax.lax.map(layer_cell, (jnp.arange(a, b), h[a:b], A[a:b], z[a:b], n[a:b], first[a:b]))
     A, z = A.at[a:b].set(a2), z.at[a:b].set(z2)
     hi = min(b + 1, L)
-    h = h.at[a + 1:hi].set(out[:hi - a - 1])
-    n, first = n.at[a + 1:hi].set(n[a:hi - 1]), first.at[a + 1:hi].set(first[a:hi - 1])
-    logits = base.head(out[-1][:, :armt.segment_size]) if b == L else None
+    h = h.at[a + 1 : hi].set(out[: hi - a - 1])
+    n, first = n.at[a + 1 : hi].set(n[a : hi - 1]), first.at[a + 1 : hi].set(first[a : hi - 1])
+    logits = base.head(out[-1][:, : armt.segment_size]) if b == L else None
     return Pipeline(h, n, first, A, z), logits
 
 
-def _run_block(model: Any, block: Block, cpu: CPUExecution, projections: DiagonalProjections, params: Any,
-               pipe: Pipeline, segs: Segments) -> tuple[Pipeline, jnp.ndarray]:
+def _run_block(
+    model: Any,
+    block: Block,
+    cpu: CPUExecution,
+    projections: DiagonalProjections,
+    params: Any,
+    pipe: Pipeline,
+    segs: Segments,
+) -> tuple[Pipeline, jnp.ndarray]:
     TRACES[("diagonal", block)] += 1
     base, mem = model.merge(params)
     graphdef, layer_state = nnx.split(base.layers)
@@ -193,13 +228,14 @@ def _run_block(model: Any, block: Block, cpu: CPUExecution, projections: Diagona
 run_block = jax.jit(_run_block, static_argnums=(0, 1, 2, 3))
 
 
-def run_blocks(model: Any, params: Any, pipe: Pipeline, blocks: list[Block], segs: Segments
-               ) -> tuple[Pipeline, list[jnp.ndarray]]:
+def run_blocks(
+    model: Any, params: Any, pipe: Pipeline, blocks: list[Block], segs: Segments
+) -> tuple[Pipeline, list[jnp.ndarray]]:
     """Run planned blocks, feeding `segs` in order; returns the pipeline and the emitted logits."""
     outs, start = [], 0
     for block in blocks:
         k = block_inputs(block)
-        chunk = segs[start:start + k].place(model.base.mesh)
+        chunk = segs[start : start + k].place(model.base.mesh)
         pipe, logits = run_block(model, block, model.cpu_execution, model.projections, params, pipe, chunk)
         if logits.shape[0]:  # ramp-up blocks emit nothing
             outs.append(logits)
@@ -207,8 +243,9 @@ def run_blocks(model: Any, params: Any, pipe: Pipeline, blocks: list[Block], seg
     return pipe, outs
 
 
-def diagonal_forward(model: Any, params: Any, segs: Segments, state: MemoryState | None = None
-                     ) -> tuple[MemoryState, jnp.ndarray]:
+def diagonal_forward(
+    model: Any, params: Any, segs: Segments, state: MemoryState | None = None
+) -> tuple[MemoryState, jnp.ndarray]:
     """Run segments `[nS, B, S]` through an empty pipeline and drain it; returns the final state
     and logits `[nS, B, S, V]` (equal to `sequential_forward` up to float reassociation).
 

@@ -20,11 +20,11 @@ import numpy as np
 from jaxlongctx.armt.memory import read
 from jaxlongctx.armt.segments import compact, segment, token_rows
 from jaxlongctx.armt.sequential import MemoryState, segment_through_layers, zero_state
+from jaxlongctx.generate import Request, choose_next
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.attention import attention
 from jaxlongctx.model.rope import rope_tables
 from jaxlongctx.parallel import put_batch
-from jaxlongctx.generate import Request, choose_next
 from jaxlongctx.validation import check_ids
 
 
@@ -47,29 +47,43 @@ def _window_pass(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, 
     return base, h, k, v, valid
 
 
-def _prefill(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray
-             ) -> tuple[jnp.ndarray, DenseCache]:
+def _prefill(
+    model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray
+) -> tuple[jnp.ndarray, DenseCache]:
     """The prompt's window (ids `[B, 2S]`, `n [B]` >= 1 real) -> next-token logits `[B, V]` and its cache."""
     base, h, k, v, valid = _window_pass(model, params, state, ids, n)
     last = base.head(jnp.take_along_axis(h, (n - 1)[:, None, None], axis=1))[:, 0]
     return last, DenseCache.from_prefill(k, v, valid, ids.shape[1])
 
 
-def _window_logits(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray) -> jnp.ndarray:
+def _window_logits(
+    model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray
+) -> jnp.ndarray:
     """Logits `[B, W, V]` of every window row (ids `[B, W]`, `n [B]` real)."""
     base, h, *_ = _window_pass(model, params, state, ids, n)
     return base.head(h)
 
 
-def _decode_step(model: Any, sampler: tuple, eos: tuple[int, ...], pad_id: int, params: Any,
-                 state: MemoryState, cache: DenseCache, window: jnp.ndarray, pos: jnp.ndarray,
-                 logits: jnp.ndarray, key: jax.Array, done: jnp.ndarray):
+def _decode_step(
+    model: Any,
+    sampler: tuple,
+    eos: tuple[int, ...],
+    pad_id: int,
+    params: Any,
+    state: MemoryState,
+    cache: DenseCache,
+    window: jnp.ndarray,
+    pos: jnp.ndarray,
+    logits: jnp.ndarray,
+    key: jax.Array,
+    done: jnp.ndarray,
+):
     """Pick the next token `[B]` and run it at window slot `pos [B]`; returns it, the done flags,
     its logits `[B, V]`, the cache and the window's ids `[B, 2S]`."""
     tok, done = choose_next(sampler, eos, pad_id, logits, key, done)
     base, mem = model.merge(params)
     hit = jnp.arange(window.shape[1])[None] == pos[:, None]  # B 2S: each row's slot (selects, not scatters,
-    window = jnp.where(hit, tok[:, None], window)            # so rows may be split over devices)
+    window = jnp.where(hit, tok[:, None], window)  # so rows may be split over devices)
     key_valid = cache.key_valid | hit
     cos, sin = rope_tables(pos[:, None], model.inv_freq)
 
@@ -81,12 +95,21 @@ def _decode_step(model: Any, sampler: tuple, eos: tuple[int, ...], pad_id: int, 
         cv = jnp.where(hit[:, None, :, None], v.swapaxes(1, 2).astype(cv.dtype), cv)
         return layer.finish(h, attention(q, ck, cv, pos[:, None], key_valid, heads_major=True)), (ck, cv)
 
-    h, (ck, cv) = base.scan_layers(body, base.embed_ids(tok[:, None]), (mem.layers(), *state, cache.k, cache.v))
+    h, (ck, cv) = base.scan_layers(
+        body, base.embed_ids(tok[:, None]), (mem.layers(), *state, cache.k, cache.v)
+    )
     return tok, done, base.head(h)[:, 0], DenseCache(ck, cv, key_valid), window
 
 
-def _commit(model: Any, params: Any, state: MemoryState, cache: DenseCache, seg_ids: jnp.ndarray,
-            commit: jnp.ndarray, first: jnp.ndarray) -> tuple[MemoryState, DenseCache]:
+def _commit(
+    model: Any,
+    params: Any,
+    state: MemoryState,
+    cache: DenseCache,
+    seg_ids: jnp.ndarray,
+    commit: jnp.ndarray,
+    first: jnp.ndarray,
+) -> tuple[MemoryState, DenseCache]:
     """Run the full segments `seg_ids [B, S]` of rows in `commit [B]` with their memory rows (writing
     the memory) and empty those rows' caches."""
     s = seg_ids.shape[1]
@@ -98,9 +121,11 @@ def _compiled(model: Any, sampler: tuple, eos: tuple, pad_id: int):
     cache = model.__dict__.setdefault("_generate_fns", {})
     key = (sampler, eos, pad_id)
     if key not in cache:
-        cache[key] = (jax.jit(partial(_prefill, model)),
-                      jax.jit(partial(_decode_step, model, sampler, eos, pad_id), donate_argnums=(2,)),
-                      jax.jit(partial(_commit, model), donate_argnums=(2,)))
+        cache[key] = (
+            jax.jit(partial(_prefill, model)),
+            jax.jit(partial(_decode_step, model, sampler, eos, pad_id), donate_argnums=(2,)),
+            jax.jit(partial(_commit, model), donate_argnums=(2,)),
+        )
     return cache[key]
 
 
@@ -110,7 +135,9 @@ def window_start(prompt_length: Any, segment_size: int) -> Any:
     return (prompt_length - 1) // segment_size * segment_size
 
 
-def window_starts(model: Any, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, list[np.ndarray] | None]:
+def window_starts(
+    model: Any, ids: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, list[np.ndarray] | None]:
     """Where each left-aligned prompt row's window opens `[B]`, the start of its last segment under the
     model's segmentation (rows `ids [B, T]`, `lengths [B]` >= 1), and each row's segment starts before
     it (`model.segments(ids, opens, before)` then cuts the prompts once; None on the fixed grid)."""
@@ -120,8 +147,9 @@ def window_starts(model: Any, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.
     return np.array([starts[-1] for starts in cuts], np.int64), [starts[:-1] for starts in cuts]
 
 
-def _prompt_state(model: Any, ids: np.ndarray, opens: np.ndarray, before: list[np.ndarray] | None,
-                  schedule: str) -> MemoryState:
+def _prompt_state(
+    model: Any, ids: np.ndarray, opens: np.ndarray, before: list[np.ndarray] | None, schedule: str
+) -> MemoryState:
     """Memory after the segments of left-aligned rows `ids [B, T]` ahead of their windows (`window_starts`)."""
     if opens.max() == 0:
         return zero_state(model, ids.shape[0])
@@ -133,7 +161,7 @@ def _window_rows(ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, width: 
     """Each row's tokens `ids[r, starts[r]:stops[r]]`, left-aligned in `[B, width]` (zero-padded)."""
     out = np.zeros((ids.shape[0], width), np.int32)
     for r, (a, b) in enumerate(zip(starts, stops)):
-        out[r, :b - a] = ids[r, a:b]
+        out[r, : b - a] = ids[r, a:b]
     return out
 
 
@@ -144,9 +172,14 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
     segments before `o` and attend across the window. Greedy decoding equals its repeated argmax."""
     ids = check_ids(ids, model.config.vocab_size)
     b, t = ids.shape
-    if isinstance(prompt_length, bool) or not isinstance(prompt_length, (int, np.integer)) \
-            or not 1 <= prompt_length <= t:
-        raise ValueError(f"prompt_length must be an integer in [1, {t}] (the ids' length), got {prompt_length!r}")
+    if (
+        isinstance(prompt_length, bool)
+        or not isinstance(prompt_length, (int, np.integer))
+        or not 1 <= prompt_length <= t
+    ):
+        raise ValueError(
+            f"prompt_length must be an integer in [1, {t}] (the ids' length), got {prompt_length!r}"
+        )
     S, V = model.armt.segment_size, model.config.vocab_size
     start, before = window_starts(model, ids, np.full(b, int(prompt_length)))  # B
     stop = np.minimum(t, start + 2 * S)
@@ -160,8 +193,12 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
     if "window" not in fns:
         fns["window"] = jax.jit(partial(_window_logits, model))
     mesh = model.base.mesh
-    window = fns["window"](model.params, state, put_batch(_window_rows(ids, start, stop, 2 * S), mesh),
-                           put_batch((stop - start).astype(np.int32), mesh))
+    window = fns["window"](
+        model.params,
+        state,
+        put_batch(_window_rows(ids, start, stop, 2 * S), mesh),
+        put_batch((stop - start).astype(np.int32), mesh),
+    )
     rest = None
     if t > stop.min():  # a window was committed as two segments: plain segments from there on
         segs = segment(_window_rows(ids, start, np.full(b, t), t - int(start.min())), t - start, S)
@@ -170,7 +207,9 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
         rest = token_rows(rest, None, rest.shape[0] * S)  # B nS*S V, from each row's window start
     if np.all(start == start[0]):  # one window for every row: prefix, window, rest side by side
         o, e = int(start[0]), int(stop[0])
-        return jnp.concatenate([prefix, window[:, :e - o]] + ([rest[:, e - o:t - o]] if t > e else []), axis=1)
+        return jnp.concatenate(
+            [prefix, window[:, : e - o]] + ([rest[:, e - o : t - o]] if t > e else []), axis=1
+        )
     # rows' windows differ: each position's source in [prefix | window | rest] (before, in, after its window)
     pos, o = np.arange(t)[None], start[:, None]
     source = np.where(pos < o, pos, prefix.shape[1] + np.where(pos < stop[:, None], pos - o, 2 * S + pos - o))
@@ -178,10 +217,21 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
     return jnp.take_along_axis(jnp.concatenate(parts, axis=1), jnp.asarray(source)[..., None], axis=1)
 
 
-def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 eos_id: int | list[int] | None = None, attention_mask: Any = None,
-                 progress: bool = False, schedule: str = "diagonal", timings: dict | None = None) -> np.ndarray:
+def generate_ids(
+    model: Any,
+    ids: Any,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | list[int] | None = None,
+    attention_mask: Any = None,
+    progress: bool = False,
+    schedule: str = "diagonal",
+    timings: dict | None = None,
+) -> np.ndarray:
     """Generate `max_new_tokens` after `ids [B, T]` (pads anywhere, per `attention_mask`); returns
     ids `[B, T + new]`. The prompt's segments but its last run through `schedule`; decoding reads the
     memory only, in the window opened by the prompt's last segment (see the module docstring).
@@ -190,8 +240,17 @@ def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: floa
     if schedule not in ("diagonal", "sequential"):
         raise ValueError(f"schedule must be 'diagonal' or 'sequential', got {schedule!r}")
     S = model.armt.segment_size
-    req = Request.parse(model.config, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        seed=seed, eos_id=eos_id, attention_mask=attention_mask)
+    req = Request.parse(
+        model.config,
+        ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_id=eos_id,
+        attention_mask=attention_mask,
+    )
     ids_c, lengths, _ = compact(req.ids, req.mask)
     start, before = window_starts(model, ids_c, lengths)  # B (every row has a real token)
     params, mesh = model.params, model.base.mesh
@@ -200,22 +259,34 @@ def generate_ids(model: Any, ids: Any, max_new_tokens: int, *, temperature: floa
     state = _prompt_state(model, ids_c, start, before, schedule)
     window = _window_rows(ids_c, start, lengths, 2 * S)
     logits, cache = jax.block_until_ready(
-        prefill(params, state, put_batch(window, mesh), put_batch(lengths - start, mesh)))
+        prefill(params, state, put_batch(window, mesh), put_batch(lengths - start, mesh))
+    )
     if timings is not None:
         timings["prefill_s"] = time.perf_counter() - t0
 
     def run(carry, logits, key, done, i):
-        state, cache, window, pos, opened, first = carry  # pos [B]: next slot; opened [B]: in the first window
-        tok, done, logits, cache, window = step(params, state, cache, window, put_batch(pos.astype(np.int32), mesh),
-                                                logits, key, done)
+        state, cache, window, pos, opened, first = (
+            carry  # pos [B]: next slot; opened [B]: in the first window
+        )
+        tok, done, logits, cache, window = step(
+            params, state, cache, window, put_batch(pos.astype(np.int32), mesh), logits, key, done
+        )
         pos = pos + 1
         filled = pos == np.where(opened, 2 * S, S)
         if filled.any() and i + 1 < req.max_new_tokens:  # commit full windows: write memory, restart cache
-            state, cache = commit(params, state, cache, window[:, :S], put_batch(filled, mesh), put_batch(first, mesh))
+            state, cache = commit(
+                params, state, cache, window[:, :S], put_batch(filled, mesh), put_batch(first, mesh)
+            )
             first = first & ~filled
             if (filled & opened).any():  # the first window holds two segments
-                state, cache = commit(params, state, cache, window[:, S:], put_batch(filled & opened, mesh),
-                                      put_batch(first, mesh))
+                state, cache = commit(
+                    params,
+                    state,
+                    cache,
+                    window[:, S:],
+                    put_batch(filled & opened, mesh),
+                    put_batch(first, mesh),
+                )
             opened, pos = opened & ~filled, np.where(filled, 0, pos)
         return tok, done, logits, (state, cache, window, pos, opened, first)
 

@@ -46,8 +46,9 @@ def dpfp(x: jnp.ndarray) -> jnp.ndarray:
     return jnp.concatenate([xp] * NU, axis=-1) * rolled
 
 
-def read(h: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray, proj: Project = project
-         ) -> jnp.ndarray:
+def read(
+    h: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray, proj: Project = project
+) -> jnp.ndarray:
     """`h + phi(h W_mq) A / (phi(h W_mq) . z + eps)` for every row: h `[B, T, D]` -> `[B, T, D]`."""
     q = dpfp(proj(h, mem.wq))  # B T dk
     num = jnp.einsum("...tk,...kd->...td", q, A.astype(jnp.float32))
@@ -56,8 +57,14 @@ def read(h: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray, proj:
     return (h.astype(jnp.float32) + num / den[..., None]).astype(h.dtype)
 
 
-def write(m: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray, first: jnp.ndarray,
-          proj: Project = project) -> tuple[jnp.ndarray, jnp.ndarray]:
+def write(
+    m: jnp.ndarray,
+    mem: LayerMemory,
+    A: jnp.ndarray,
+    z: jnp.ndarray,
+    first: jnp.ndarray,
+    proj: Project = project,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Update `A [B, dk, D]`, `z [B, dk]` from the layer output at the memory rows `m [B, M, D]`;
     rows with `first [B]` use the first-segment rule (vbar = 0, gamma = 1)."""
     k = dpfp(proj(m, mem.wk))  # B M dk

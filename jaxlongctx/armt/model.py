@@ -22,8 +22,16 @@ from jaxlongctx.armt.projections import DiagonalProjections, as_projections
 from jaxlongctx.armt.segments import Segments, compact, grid_starts, segment, segment_at, token_rows
 from jaxlongctx.armt.sentences import SentenceSegmenter, make_segmenter
 from jaxlongctx.armt.sequential import MemoryState, sequential_forward
-from jaxlongctx.checkpoint import (CheckpointError, atomic_directory, check_stored_tensors, load_module, on_device,
-                                   read_metadata, save_params, write_metadata)
+from jaxlongctx.checkpoint import (
+    CheckpointError,
+    atomic_directory,
+    check_stored_tensors,
+    load_module,
+    on_device,
+    read_metadata,
+    save_params,
+    write_metadata,
+)
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache.dense import dense_cache_bytes
 from jaxlongctx.model.llama import Llama
@@ -63,8 +71,14 @@ class ARMTModel:
         if not isinstance(armt, ARMTConfig):
             raise ValueError(f"expected an ARMTConfig, got {type(armt).__name__}")
         embed = model.module.embed[...]
-        memory = MemoryParams(armt, model.config.num_layers, model.config.hidden_size,
-                              float(jnp.std(embed.astype(jnp.float32))), dtype=embed.dtype, key=key)
+        memory = MemoryParams(
+            armt,
+            model.config.num_layers,
+            model.config.hidden_size,
+            float(jnp.std(embed.astype(jnp.float32))),
+            dtype=embed.dtype,
+            key=key,
+        )
         return cls(model.module, armt, memory, model.tokenizer)
 
     # --- parameters -----------------------------------------------------------------------------
@@ -93,7 +107,7 @@ class ARMTModel:
 
     def astype(self, dtype: jnp.dtype) -> ARMTModel:
         """A copy with every parameter cast to `dtype` (the state dtype is unchanged)."""
-        cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)  # noqa: E731
+        cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)
         base, memory = self.merge((cast(self.base.params), cast(nnx.state(self.memory))))
         out = ARMTModel(base, self.armt, memory, self.tokenizer)
         out.cpu_execution = self.cpu_execution
@@ -131,8 +145,9 @@ class ARMTModel:
         self._projections = as_projections(value)
 
     # --- forward --------------------------------------------------------------------------------
-    def run_segments(self, params: Any, segs: Segments, schedule: str = "diagonal",
-                     state: MemoryState | None = None) -> tuple[MemoryState, jnp.ndarray]:
+    def run_segments(
+        self, params: Any, segs: Segments, schedule: str = "diagonal", state: MemoryState | None = None
+    ) -> tuple[MemoryState, jnp.ndarray]:
         """Segments `[nS, B, S]` through `schedule` -> final memory and logits `[nS, B, S, V]` (pure in
         `params`, so differentiable)."""
         if schedule == "diagonal":
@@ -165,8 +180,9 @@ class ARMTModel:
             return S if len(tokens) >= S else (len(tokens) if final else 0)
         return self._segmenter.first_segment_length(tokens, S, final)
 
-    def segments(self, ids: np.ndarray, lengths: np.ndarray, starts: list[np.ndarray] | None = None
-                 ) -> tuple[Segments, np.ndarray | None]:
+    def segments(
+        self, ids: np.ndarray, lengths: np.ndarray, starts: list[np.ndarray] | None = None
+    ) -> tuple[Segments, np.ndarray | None]:
         """Left-aligned rows `ids [B, T]` with `lengths [B]` cut by `segmentation`: the segments and every
         token's slot `[B, T]` in its row's flattened segments (-1 past the row's length; None on the fixed
         grid, where a token's slot is its position). `token_rows` maps segment outputs back to tokens.
@@ -176,15 +192,16 @@ class ARMTModel:
         starts = self.segment_starts(ids, lengths) if starts is None else starts
         return segment_at(ids, lengths, starts, self.armt.segment_size)
 
-    def run(self, ids: Any, attention_mask: Any = None, schedule: str = "diagonal"
-            ) -> tuple[jnp.ndarray, MemoryState]:
+    def run(
+        self, ids: Any, attention_mask: Any = None, schedule: str = "diagonal"
+    ) -> tuple[jnp.ndarray, MemoryState]:
         """Logits `[B, T, V]` (zeros at pads) and the final per-layer memory for ids `[B, T]`."""
         ids = check_ids(ids, self.config.vocab_size)
         mask = check_mask(attention_mask, ids)
         ids_c, lengths, order = compact(ids, mask)
         segs, slots = self.segments(ids_c, lengths)
         state, logits = self.run_segments(self.params, segs, schedule)
-        b, t = ids.shape
+        _b, t = ids.shape
         logits = token_rows(logits, slots, t)
         if not mask.all():
             inverse = np.argsort(order, axis=1)
@@ -201,8 +218,9 @@ class ARMTModel:
         """Empty streaming state for `batch` independent rows (streams are cut as `segmentation` cuts)."""
         return stream.init_state(self, check_positive_int(batch, "batch"), schedule)
 
-    def feed(self, state: stream.ARMTState, ids: Any, end_document: Any = False
-             ) -> tuple[stream.ARMTState, list[jnp.ndarray]]:
+    def feed(
+        self, state: stream.ARMTState, ids: Any, end_document: Any = False
+    ) -> tuple[stream.ARMTState, list[jnp.ndarray]]:
         """Append ids `[B, c]` to the streams; returns the new state and per-row logits `[t_b, V]` of
         the tokens whose segments completed (see `jaxlongctx.armt.stream`)."""
         arr = np.asarray(ids)
@@ -248,8 +266,12 @@ class ARMTModel:
             save_params(tmp, base)
             with ocp.StandardCheckpointer() as ckptr:
                 ckptr.save(tmp / _MEMORY_DIR, nnx.to_pure_dict(nnx.state(self.memory)))
-            write_metadata(tmp, self.config, str(self.dtype),
-                           {"armt": self.armt.to_dict(), "segmentation": self.segmentation})
+            write_metadata(
+                tmp,
+                self.config,
+                str(self.dtype),
+                {"armt": self.armt.to_dict(), "segmentation": self.segmentation},
+            )
             if self.tokenizer is not None:
                 self.tokenizer.save(str(tmp / "tokenizer.json"))
         return Path(path)
@@ -264,20 +286,33 @@ class ARMTModel:
             raise CheckpointError(f"{path}: not an ARMT checkpoint (no 'armt' entry in config.json)")
         config, armt = ModelConfig.from_dict(meta["config"]), ARMTConfig.from_dict(meta["armt"])
         base = load_module(path, dtype, None if mesh is None else param_shardings(config, mesh))
-        mem_skeleton = nnx.eval_shape(lambda: MemoryParams(armt, config.num_layers, config.hidden_size, 1.0,
-                                                           dtype=jnp.dtype(meta["dtype"]), key=jax.random.key(0)))
+        mem_skeleton = nnx.eval_shape(
+            lambda: MemoryParams(
+                armt,
+                config.num_layers,
+                config.hidden_size,
+                1.0,
+                dtype=jnp.dtype(meta["dtype"]),
+                key=jax.random.key(0),
+            )
+        )
         mem_graphdef, mem_state = nnx.split(mem_skeleton)
         target = nnx.to_pure_dict(mem_state)
         if mesh is not None:
-            target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-                      for (name, x), sharding in zip(target.items(),
-                                                     memory_shardings(fit_mesh(mesh, config), target).values())}
+            target = {
+                name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+                for (name, x), sharding in zip(
+                    target.items(), memory_shardings(fit_mesh(mesh, config), target).values()
+                )
+            }
         check_stored_tensors(path / _MEMORY_DIR, target)
         try:
             with ocp.StandardCheckpointer() as ckptr:
                 restored = ckptr.restore(path / _MEMORY_DIR, on_device(target))
         except (FileNotFoundError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{path}: cannot restore ARMT memory parameters ({type(e).__name__}: {e})") from None
+            raise CheckpointError(
+                f"{path}: cannot restore ARMT memory parameters ({type(e).__name__}: {e})"
+            ) from None
         if dtype is not None:
             restored = {name: x.astype(dtype) for name, x in restored.items()}
         nnx.replace_by_pure_dict(mem_state, restored)

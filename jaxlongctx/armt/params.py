@@ -14,16 +14,25 @@ class MemoryParams(nnx.Module):
     """Memory tokens `[M, D]` and per-layer `W_mq, W_mk [L, D, d_mem]`, `W_mv [L, D, D]`,
     `W_mb [L, D]`, `b_mb [L]` with the reference initialisation (W_mv zeros, so A stays 0)."""
 
-    def __init__(self, armt: ARMTConfig, num_layers: int, hidden: int, embed_std: float, *,
-                 dtype: jnp.dtype, key: jax.Array):
+    def __init__(
+        self,
+        armt: ARMTConfig,
+        num_layers: int,
+        hidden: int,
+        embed_std: float,
+        *,
+        dtype: jnp.dtype,
+        key: jax.Array,
+    ):
         km, kq, kk, kb, kbb = jax.random.split(key, 5)
-        bound = hidden ** -0.5  # torch nn.Linear default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        bound = hidden**-0.5  # torch nn.Linear default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
 
         def uniform(k: jax.Array, shape: tuple[int, ...]) -> nnx.Param:
             return nnx.Param(jax.random.uniform(k, shape, jnp.float32, -bound, bound).astype(dtype))
 
-        self.memory = nnx.Param((embed_std * jax.random.normal(
-            km, (armt.num_mem_tokens, hidden), jnp.float32)).astype(dtype))
+        self.memory = nnx.Param(
+            (embed_std * jax.random.normal(km, (armt.num_mem_tokens, hidden), jnp.float32)).astype(dtype)
+        )
         self.wq = uniform(kq, (num_layers, hidden, armt.d_mem))
         self.wk = uniform(kk, (num_layers, hidden, armt.d_mem))
         self.wv = nnx.Param(jnp.zeros((num_layers, hidden, hidden), dtype))
@@ -40,5 +49,5 @@ class MemoryParams(nnx.Module):
         hidden = self.wv.shape[-1]
         for k, name in zip(jax.random.split(key, 5), ("wq", "wk", "wv", "wb", "bb")):
             p = getattr(self, name)
-            std = scale if name == "bb" else scale * hidden ** -0.5
+            std = scale if name == "bb" else scale * hidden**-0.5
             p.set_value((std * jax.random.normal(k, p.shape, jnp.float32)).astype(p.dtype))

@@ -40,17 +40,23 @@ class DiagonalProjections:
 
     def __post_init__(self) -> None:
         if self.method not in PROJECTIONS:
-            raise ValueError(f"diagonal projections must be one of {', '.join(PROJECTIONS)}, got {self.method!r}")
+            raise ValueError(
+                f"diagonal projections must be one of {', '.join(PROJECTIONS)}, got {self.method!r}"
+            )
         if self.kernel not in BACKENDS:
-            raise ValueError(f"grouped_matmul kernel backend must be one of {', '.join(BACKENDS)}, got {self.kernel!r}")
+            raise ValueError(
+                f"grouped_matmul kernel backend must be one of {', '.join(BACKENDS)}, got {self.kernel!r}"
+            )
 
     def resolve(self, on_mesh: bool) -> str:
-        """"vmap" or "grouped_matmul" for a model on a mesh (`on_mesh`) or on one device."""
+        """ "vmap" or "grouped_matmul" for a model on a mesh (`on_mesh`) or on one device."""
         if self.method == "auto":
             return "grouped_matmul" if resolve_backend(self.kernel) == "pallas" and not on_mesh else "vmap"
         if self.method == "grouped_matmul" and on_mesh:
-            raise ValueError("diagonal projections 'grouped_matmul' run on one device only; use 'vmap' (or 'auto') "
-                             "for a model on a mesh")
+            raise ValueError(
+                "diagonal projections 'grouped_matmul' run on one device only; use 'vmap' (or 'auto') "
+                "for a model on a mesh"
+            )
         return self.method
 
 
@@ -62,18 +68,21 @@ def as_projections(value: DiagonalProjections | str) -> DiagonalProjections:
 def grouped_products(first: int, groups: int, kernel: str) -> tuple[Dense, Project]:
     """The layer's and the memory's products for layers `[first, first + groups)`: x `[G, ..., in]` times
     stacked weights `[L, in, out]` -> `[G, ..., out]` (the layer's in x's dtype, the memory's in float32)."""
-    from pallas_kernels import grouped_matmul  # noqa: PLC0415 (kernels load only when used)
+    from pallas_kernels import grouped_matmul
 
     def product(x: jnp.ndarray, w: jnp.ndarray, out_dtype: Any) -> jnp.ndarray:
-        y = grouped_matmul(x.reshape(groups, -1, x.shape[-1]), w, first, groups, backend=kernel, out_dtype=out_dtype)
+        y = grouped_matmul(
+            x.reshape(groups, -1, x.shape[-1]), w, first, groups, backend=kernel, out_dtype=out_dtype
+        )
         return y.reshape(*x.shape[:-1], w.shape[-1])
 
     return (lambda x, w: product(x, w, x.dtype)), (lambda x, w: product(x, w, jnp.float32))
 
 
-def grouped_weights(graphdef: nnx.GraphDef, layer_state: Any, mem: LayerMemory, a: int, b: int
-                    ) -> tuple[DecoderLayer, LayerMemory]:
+def grouped_weights(
+    graphdef: nnx.GraphDef, layer_state: Any, mem: LayerMemory, a: int, b: int
+) -> tuple[DecoderLayer, LayerMemory]:
     """Layers `[a, b)` as one layer and memory with a leading group axis: the weight matrices stay the
     whole stacked `[L, in, out]` arrays (read in place by the kernel), per-layer vectors are sliced `[G, X]`."""
-    window = lambda w: w if w.ndim == 3 else w[a:b]  # noqa: E731 - [L, in, out] matrices vs [L, X] vectors
+    window = lambda w: w if w.ndim == 3 else w[a:b]
     return nnx.merge(graphdef, jax.tree.map(window, layer_state)), mem._replace(bb=mem.bb[a:b])

@@ -54,7 +54,7 @@ def segment(ids: np.ndarray, lengths: np.ndarray, segment_size: int) -> Segments
     b, t = ids.shape
     count = max(1, -(-int(lengths.max()) // segment_size))
     padded = np.zeros((b, count * segment_size), np.int32)
-    padded[:, :t] = ids[:, :count * segment_size]
+    padded[:, :t] = ids[:, : count * segment_size]
     seg_ids = padded.reshape(b, count, segment_size).transpose(1, 0, 2)
     n = np.clip(lengths[None, :] - segment_size * np.arange(count)[:, None], 0, segment_size).astype(np.int32)
     first = (np.arange(count)[:, None] == 0) & (n > 0)
@@ -66,8 +66,9 @@ def chunk_sizes(count: int, chunk: int = FULL_CHUNK) -> list[int]:
     return [chunk] * (count // chunk) + [1] * (count % chunk)
 
 
-def segment_at(ids: np.ndarray, lengths: np.ndarray, starts: list[np.ndarray], segment_size: int
-               ) -> tuple[Segments, np.ndarray]:
+def segment_at(
+    ids: np.ndarray, lengths: np.ndarray, starts: list[np.ndarray], segment_size: int
+) -> tuple[Segments, np.ndarray]:
     """Cut left-aligned rows `ids [B, T]` with `lengths [B]` into segments that begin at each row's
     `starts` (ascending, from 0, at most `segment_size` apart and from the row's end). Returns the
     segments (rows with fewer segments get empty ones, n = 0, at the end) and every token's slot
@@ -79,12 +80,20 @@ def segment_at(ids: np.ndarray, lengths: np.ndarray, starts: list[np.ndarray], s
     slots = np.full((b, t), -1, np.int64)
     for r, (row_starts, length) in enumerate(zip(starts, lengths)):
         ends = np.append(row_starts[1:], length)
-        if (len(row_starts) > 0) != (length > 0) or len(row_starts) and (
-                row_starts[0] != 0 or np.any(ends - row_starts < 1) or np.any(ends - row_starts > segment_size)):
-            raise ValueError(f"row {r}: segment starts {row_starts.tolist()} do not cut {length} tokens into "
-                             f"segments of 1..{segment_size}")
+        if (len(row_starts) > 0) != (length > 0) or (
+            len(row_starts)
+            and (
+                row_starts[0] != 0
+                or np.any(ends - row_starts < 1)
+                or np.any(ends - row_starts > segment_size)
+            )
+        ):
+            raise ValueError(
+                f"row {r}: segment starts {row_starts.tolist()} do not cut {length} tokens into "
+                f"segments of 1..{segment_size}"
+            )
         for j, (a, e) in enumerate(zip(row_starts, ends)):
-            seg_ids[j, r, :e - a] = ids[r, a:e]
+            seg_ids[j, r, : e - a] = ids[r, a:e]
             n[j, r] = e - a
             slots[r, a:e] = j * segment_size + np.arange(e - a)
     first = (np.arange(count)[:, None] == 0) & (n > 0)

@@ -43,7 +43,9 @@ class SentenceSegmenter:
 
     def row_starts(self, ids: np.ndarray, lengths: np.ndarray, segment_size: int) -> list[np.ndarray]:
         """`starts` of each left-aligned row of `ids [B, T]` with `lengths [B]` (a row of 0 tokens: none)."""
-        return [self.starts(row[:n], segment_size) if n else np.zeros(0, np.int64) for row, n in zip(ids, lengths)]
+        return [
+            self.starts(row[:n], segment_size) if n else np.zeros(0, np.int64) for row, n in zip(ids, lengths)
+        ]
 
     def starts(self, row: np.ndarray, segment_size: int) -> np.ndarray:
         """Segment starts `[nS]` for the tokens `row [T]` (T >= 1): 0, then greedily the last allowed
@@ -53,7 +55,7 @@ class SentenceSegmenter:
             out.append(p)
             if t - p <= segment_size:
                 break
-            p += self._next_cut(ok[p:p + segment_size + 1], segment_size)
+            p += self._next_cut(ok[p : p + segment_size + 1], segment_size)
         return np.asarray(out, np.int64)
 
     def first_segment_length(self, tokens: np.ndarray, segment_size: int, final: bool) -> int:
@@ -61,14 +63,14 @@ class SentenceSegmenter:
         cut needs S + 1 tokens (the next token says whether a sentence ended), unless `final` (the
         tokens end the row). 0 while undecided or empty. Streaming cuts with it, token by token."""
         if len(tokens) > segment_size:
-            return self._next_cut(self.may_start(tokens[:segment_size + 1]), segment_size)
+            return self._next_cut(self.may_start(tokens[: segment_size + 1]), segment_size)
         return len(tokens) if final else 0
 
     def _next_cut(self, ok: np.ndarray, segment_size: int) -> int:
         """Length of a segment whose tokens' `may_start` flags are `ok [S + 1]` (the segment and the
         token after it): up to the last allowed start from `min_fill * S` on, else S."""
         nearest = max(1, int(segment_size * self.min_fill))
-        allowed = np.flatnonzero(ok[nearest:segment_size + 1])
+        allowed = np.flatnonzero(ok[nearest : segment_size + 1])
         return nearest + int(allowed[-1]) if len(allowed) else segment_size
 
 

@@ -25,8 +25,10 @@ class MemoryState(NamedTuple):
 def zero_state(model: Any, batch: int) -> MemoryState:
     """All-zero memory for `batch` rows."""
     cfg, armt = model.config, model.armt
-    state = MemoryState(jnp.zeros((cfg.num_layers, batch, armt.d_key, cfg.hidden_size), armt.state_dtype),
-                        jnp.zeros((cfg.num_layers, batch, armt.d_key), armt.state_dtype))
+    state = MemoryState(
+        jnp.zeros((cfg.num_layers, batch, armt.d_key, cfg.hidden_size), armt.state_dtype),
+        jnp.zeros((cfg.num_layers, batch, armt.d_key), armt.state_dtype),
+    )
     mesh = model.base.mesh
     if mesh is None:
         return state
@@ -34,8 +36,9 @@ def zero_state(model: Any, batch: int) -> MemoryState:
     return MemoryState(*(jax.device_put(x, shardings[name]) for name, x in state._asdict().items()))
 
 
-def segment_through_layers(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray,
-                           first: jnp.ndarray) -> tuple[MemoryState, jnp.ndarray]:
+def segment_through_layers(
+    model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray, first: jnp.ndarray
+) -> tuple[MemoryState, jnp.ndarray]:
     """One segment (ids `[B, S]`, `n [B]`, `first [B]`) through all layers in order; returns the new
     state and the token-row logits `[B, S, V]`."""
     base, mem = model.merge(params)
@@ -46,10 +49,12 @@ def segment_through_layers(model: Any, params: Any, state: MemoryState, ids: jnp
         return h, (a, z)
 
     h, (A, z) = base.scan_layers(body, embed_segment(base, mem.memory[...], ids), (mem.layers(), *state))
-    return MemoryState(A, z), base.head(h[:, :model.armt.segment_size])
+    return MemoryState(A, z), base.head(h[:, : model.armt.segment_size])
 
 
-def _run_chunk(model: Any, params: Any, state: MemoryState, segs: Segments) -> tuple[MemoryState, jnp.ndarray]:
+def _run_chunk(
+    model: Any, params: Any, state: MemoryState, segs: Segments
+) -> tuple[MemoryState, jnp.ndarray]:
     TRACES["sequential"] += 1
 
     def step(st, seg):
@@ -61,15 +66,17 @@ def _run_chunk(model: Any, params: Any, state: MemoryState, segs: Segments) -> t
 _run_chunk_jit = jax.jit(_run_chunk, static_argnums=0)
 
 
-def sequential_forward(model: Any, params: Any, segs: Segments, state: MemoryState | None = None
-                       ) -> tuple[MemoryState, jnp.ndarray]:
+def sequential_forward(
+    model: Any, params: Any, segs: Segments, state: MemoryState | None = None
+) -> tuple[MemoryState, jnp.ndarray]:
     """Run segments `[nS, B, S]` in order from `state` (default zero); returns the final state and
     logits `[nS, B, S, V]`. Compiled per chunk size only (see `chunk_sizes`)."""
     state = zero_state(model, segs.ids.shape[1]) if state is None else state
     outs, start = [], 0
     for size in chunk_sizes(segs.count):
-        state, logits = _run_chunk_jit(model, params, state, segs[start:start + size].place(model.base.mesh))
+        state, logits = _run_chunk_jit(
+            model, params, state, segs[start : start + size].place(model.base.mesh)
+        )
         outs.append(logits)
         start += size
     return state, jnp.concatenate(outs, axis=0)
-

@@ -14,7 +14,8 @@ with the first-segment write rule, while the pipeline keeps running.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -55,19 +56,34 @@ def init_state(model: Any, batch: int, schedule: str) -> ARMTState:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     mem = zero_state(model, batch)
     pipe = empty_pipeline(model, mem) if schedule == "diagonal" else None
-    return ARMTState(schedule, None if pipe is not None else mem, pipe, None,
-                     tuple(np.zeros((0,), np.int32) for _ in range(batch)), np.ones(batch, bool), ())
+    return ARMTState(
+        schedule,
+        None if pipe is not None else mem,
+        pipe,
+        None,
+        tuple(np.zeros((0,), np.int32) for _ in range(batch)),
+        np.ones(batch, bool),
+        (),
+    )
 
 
 def _per_row_flags(flags: bool | Sequence[bool], batch: int) -> np.ndarray:
-    arr = np.broadcast_to(np.asarray(flags, bool), (batch,)) if np.ndim(flags) == 0 else np.asarray(flags, bool)
+    arr = (
+        np.broadcast_to(np.asarray(flags, bool), (batch,)) if np.ndim(flags) == 0 else np.asarray(flags, bool)
+    )
     if arr.shape != (batch,):
         raise ValueError(f"end_document must be a bool or {batch} bools, got shape {arr.shape}")
     return arr
 
 
-def feed(model: Any, params: Any, state: ARMTState, ids: np.ndarray | None, end_document: Any = False,
-         drain: bool = False) -> tuple[ARMTState, list[jnp.ndarray]]:
+def feed(
+    model: Any,
+    params: Any,
+    state: ARMTState,
+    ids: np.ndarray | None,
+    end_document: Any = False,
+    drain: bool = False,
+) -> tuple[ARMTState, list[jnp.ndarray]]:
     """Append ids `[B, c]` (c >= 0) to the streams, run every ready segment, optionally end the
     rows' documents and drain the pipeline; returns the new state and, per row, the logits `[t_b, V]`
     of the tokens whose segments left the model during this call."""
@@ -83,10 +99,14 @@ def feed(model: Any, params: Any, state: ARMTState, ids: np.ndarray | None, end_
         pending[r] |= ends[r]
         buffers[r] = buf
     k = max(len(x) for x in ready)
-    seg_ids, seg_n, seg_first = np.zeros((k, b, S), np.int32), np.zeros((k, b), np.int32), np.zeros((k, b), bool)
+    seg_ids, seg_n, seg_first = (
+        np.zeros((k, b, S), np.int32),
+        np.zeros((k, b), np.int32),
+        np.zeros((k, b), bool),
+    )
     for r in range(b):
         for j, (toks, first) in enumerate(ready[r]):
-            seg_ids[j, r, :toks.size], seg_n[j, r], seg_first[j, r] = toks, toks.size, first
+            seg_ids[j, r, : toks.size], seg_n[j, r], seg_first[j, r] = toks, toks.size, first
     segs = Segments(seg_ids, seg_n, seg_first)
     if state.schedule == "sequential":
         memory, pipe, occupied, in_flight = state.memory, None, None, ()
@@ -99,12 +119,12 @@ def feed(model: Any, params: Any, state: ARMTState, ids: np.ndarray | None, end_
         pipe, outs = run_blocks(model, params, state.pipe, blocks, segs)
         emitted = [x for out in outs for x in out]
         queue = list(state.in_flight) + list(seg_n)
-        counts, in_flight, memory = queue[:len(emitted)], tuple(queue[len(emitted):]), None
+        counts, in_flight, memory = queue[: len(emitted)], tuple(queue[len(emitted) :]), None
     rows = [[] for _ in range(b)]
     for logits, n in zip(emitted, counts):
         for r in range(b):
             if n[r]:
-                rows[r].append(logits[r, :n[r]])
+                rows[r].append(logits[r, : n[r]])
     vocab = model.config.vocab_size
     out = [jnp.concatenate(x) if x else jnp.zeros((0, vocab), jnp.float32) for x in rows]
     return ARMTState(state.schedule, memory, pipe, occupied, tuple(buffers), pending, in_flight), out

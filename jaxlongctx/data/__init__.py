@@ -23,8 +23,23 @@ from jaxlongctx.data.tokenizer import (
 )
 
 __all__ = [
-    "BOS_ID", "CODE_DIGITS", "EOS_ID", "EVAL_SEED_BASE", "PAD_ID", "SPLITS", "TRAIN_SEED_BASE",
-    "HaystackSample", "build_assets", "corpus_stats", "encode_corpus", "eval_seed",
-    "held_out_batch", "load_corpus", "load_default_tokenizer", "make_batch", "make_sample", "train_seed",
+    "BOS_ID",
+    "CODE_DIGITS",
+    "EOS_ID",
+    "EVAL_SEED_BASE",
+    "PAD_ID",
+    "SPLITS",
+    "TRAIN_SEED_BASE",
+    "HaystackSample",
+    "build_assets",
+    "corpus_stats",
+    "encode_corpus",
+    "eval_seed",
+    "held_out_batch",
+    "load_corpus",
+    "load_default_tokenizer",
+    "make_batch",
+    "make_sample",
+    "train_seed",
     "train_tokenizer",
 ]

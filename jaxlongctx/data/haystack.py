@@ -24,10 +24,34 @@ from tokenizers import Tokenizer
 
 from jaxlongctx.data.tokenizer import BOS_ID, EOS_ID, encode_corpus
 
-COLOURS: tuple[str, ...] = ("black", "blue", "brown", "green", "grey", "orange", "pink",
-                            "purple", "red", "silver", "white", "yellow")
-OBJECTS: tuple[str, ...] = ("bag", "book", "bottle", "box", "chest", "door", "drawer",
-                            "folder", "jar", "key", "lamp", "safe")
+COLOURS: tuple[str, ...] = (
+    "black",
+    "blue",
+    "brown",
+    "green",
+    "grey",
+    "orange",
+    "pink",
+    "purple",
+    "red",
+    "silver",
+    "white",
+    "yellow",
+)
+OBJECTS: tuple[str, ...] = (
+    "bag",
+    "book",
+    "bottle",
+    "box",
+    "chest",
+    "door",
+    "drawer",
+    "folder",
+    "jar",
+    "key",
+    "lamp",
+    "safe",
+)
 CODE_DIGITS = 4
 TOKENS_BEFORE_CODE = 2  # " is", " ": between a fact's subject and its code (see fact_head_text)
 FILLER_SPLIT = "validation"  # default filler: text the base model never trained on
@@ -43,32 +67,32 @@ EVAL_SEED_BASE = TRAIN_SEED_BASE + SEED_SPACE
 class HaystackSample:
     """One retrieval prompt; the model must continue ``ids`` with ``answer_ids``."""
 
-    ids: np.ndarray             # int32, exactly length_tokens: <bos>, filler and facts, question
-    answer_ids: np.ndarray      # int32, CODE_DIGITS single-digit tokens
-    answer: str                 # the code, e.g. "4711"
-    question: str               # text of the prompt's last tokens, ends with "... is "
-    facts: tuple[str, ...]      # text of each inserted fact, in position order
+    ids: np.ndarray  # int32, exactly length_tokens: <bos>, filler and facts, question
+    answer_ids: np.ndarray  # int32, CODE_DIGITS single-digit tokens
+    answer: str  # the code, e.g. "4711"
+    question: str  # text of the prompt's last tokens, ends with "... is "
+    facts: tuple[str, ...]  # text of each inserted fact, in position order
     fact_positions: np.ndarray  # int32, offset in ids of each fact's first token, ascending
-    target_fact: int            # index into facts / fact_positions of the asked fact
-    subjects: tuple[str, ...]   # subject of each fact ("blue box"), in position order
-    codes: tuple[str, ...]      # code of each fact, in position order
-    filler_tokens: int          # how many of ids are filler (the rest is fixed by the seed)
+    target_fact: int  # index into facts / fact_positions of the asked fact
+    subjects: tuple[str, ...]  # subject of each fact ("blue box"), in position order
+    codes: tuple[str, ...]  # code of each fact, in position order
+    filler_tokens: int  # how many of ids are filler (the rest is fixed by the seed)
 
 
 @dataclass(frozen=True)
 class _TokenTables:
     """What the task needs to know of a tokenizer's vocabulary."""
 
-    digit_ids: np.ndarray      # [10] token id of "0".."9"
+    digit_ids: np.ndarray  # [10] token id of "0".."9"
     ends_sentence: np.ndarray  # bool [V], the token's text ends with . ! ? or a newline
-    starts_space: np.ndarray   # bool [V], the token's text starts with whitespace
+    starts_space: np.ndarray  # bool [V], the token's text starts with whitespace
 
 
 @dataclass(frozen=True)
 class _Filler:
     """One split's tokenized filler stream and its sentence boundaries."""
 
-    ids: np.ndarray       # int32 [N], the split's token ids
+    ids: np.ndarray  # int32 [N], the split's token ids
     boundary: np.ndarray  # bool [N], True where a fact may be inserted before ids[i]
 
 
@@ -123,9 +147,11 @@ def _token_tables(tokenizer: Tokenizer) -> _TokenTables:
     if [tokenizer.decode([int(i)]) for i in digit_ids] != list("0123456789"):
         raise ValueError("the tokenizer must encode each digit as a single token")
     pieces = tokenizer.decode_batch([[i] for i in range(tokenizer.get_vocab_size())])
-    return _TokenTables(digit_ids=digit_ids,
-                        ends_sentence=np.array([p.endswith((".", "!", "?", "\n")) for p in pieces]),
-                        starts_space=np.array([p[:1].isspace() for p in pieces]))
+    return _TokenTables(
+        digit_ids=digit_ids,
+        ends_sentence=np.array([p.endswith((".", "!", "?", "\n")) for p in pieces]),
+        starts_space=np.array([p[:1].isspace() for p in pieces]),
+    )
 
 
 @functools.cache
@@ -144,8 +170,8 @@ def _filler(rng: np.random.Generator, stream: _Filler, n: int) -> tuple[np.ndarr
     while left > 0:
         size = min(left, stream.ids.size)
         start = int(rng.integers(0, stream.ids.size - size + 1))
-        spans.append(stream.ids[start:start + size])
-        masks.append(stream.boundary[start:start + size])
+        spans.append(stream.ids[start : start + size])
+        masks.append(stream.boundary[start : start + size])
         left -= size
     if not spans:
         return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=bool)
@@ -154,8 +180,9 @@ def _filler(rng: np.random.Generator, stream: _Filler, n: int) -> tuple[np.ndarr
     return np.concatenate(spans), mask
 
 
-def _insertion_points(rng: np.random.Generator, mask: np.ndarray, num_facts: int,
-                      target_depth: float | None) -> tuple[np.ndarray, int]:
+def _insertion_points(
+    rng: np.random.Generator, mask: np.ndarray, num_facts: int, target_depth: float | None
+) -> tuple[np.ndarray, int]:
     """Ascending filler offsets for the facts and the index of the asked fact among them."""
     candidates = np.flatnonzero(np.append(mask, True))  # the filler's end is a boundary too
     if candidates.size < num_facts:  # too little filler: any offset, facts may touch
@@ -178,14 +205,21 @@ def _subject_pairs(rng: np.random.Generator, num_facts: int, shared_word: bool) 
         return rng.choice(n_pairs, size=num_facts, replace=False)
     asked = int(rng.integers(n_pairs))
     colour, obj = divmod(asked, len(OBJECTS))
-    sharing = [p for p in range(n_pairs)
-               if p != asked and (p // len(OBJECTS) == colour or p % len(OBJECTS) == obj)]
+    sharing = [
+        p for p in range(n_pairs) if p != asked and (p // len(OBJECTS) == colour or p % len(OBJECTS) == obj)
+    ]
     return np.array([asked, *rng.choice(sharing, size=num_facts - 1, replace=False)], dtype=np.int64)
 
 
-def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, tokenizer: Tokenizer,
-                num_facts: int = 4, target_depth: float | None = None,
-                shared_word: bool = False, filler_split: str = FILLER_SPLIT) -> HaystackSample:
+def make_sample(
+    rng_or_seed: int | np.random.Generator,
+    length_tokens: int,
+    tokenizer: Tokenizer,
+    num_facts: int = 4,
+    target_depth: float | None = None,
+    shared_word: bool = False,
+    filler_split: str = FILLER_SPLIT,
+) -> HaystackSample:
     """A retrieval prompt of exactly ``length_tokens`` tokens (same seed -> same sample).
 
     ``target_depth`` in [0, 1] puts the asked fact at the sentence boundary nearest that
@@ -197,8 +231,9 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
     """
     most = MAX_SHARED_WORD_FACTS if shared_word else len(COLOURS) * len(OBJECTS)
     if not 1 <= num_facts <= most:
-        raise ValueError(f"num_facts must be in [1, {most}]{' with shared_word' if shared_word else ''}, "
-                         f"got {num_facts}")
+        raise ValueError(
+            f"num_facts must be in [1, {most}]{' with shared_word' if shared_word else ''}, got {num_facts}"
+        )
     if target_depth is not None and not 0.0 <= target_depth <= 1.0:
         raise ValueError(f"target_depth must be in [0, 1], got {target_depth}")
     rng = np.random.default_rng(rng_or_seed)
@@ -209,17 +244,20 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
     subjects = [f"{COLOURS[p // len(OBJECTS)]} {OBJECTS[p % len(OBJECTS)]}" for p in pairs]
     codes = ["".join(map(str, rng.integers(0, 10, size=CODE_DIGITS))) for _ in subjects]
     period = _encode(tokenizer, ".")
-    fact_ids = [np.concatenate([_encode(tokenizer, fact_head_text(s)),
-                                _code_ids(tokenizer, c), period])
-                for s, c in zip(subjects, codes)]
+    fact_ids = [
+        np.concatenate([_encode(tokenizer, fact_head_text(s)), _code_ids(tokenizer, c), period])
+        for s, c in zip(subjects, codes)
+    ]
     facts = [f"{fact_head_text(s)}{c}." for s, c in zip(subjects, codes)]
     question = question_text(subjects[0])
     question_ids = _encode(tokenizer, question)
 
     filler_size = length_tokens - 1 - sum(f.size for f in fact_ids) - question_ids.size
     if filler_size < 0:
-        raise ValueError(f"length_tokens={length_tokens} is too small: <bos>, {num_facts} facts "
-                         f"and the question take {length_tokens - filler_size} tokens here")
+        raise ValueError(
+            f"length_tokens={length_tokens} is too small: <bos>, {num_facts} facts "
+            f"and the question take {length_tokens - filler_size} tokens here"
+        )
     filler, mask = _filler(rng, stream, filler_size)
     points, target = _insertion_points(rng, mask, num_facts, target_depth)
     order = [*range(1, target + 1), 0, *range(target + 1, num_facts)]
@@ -233,11 +271,17 @@ def make_sample(rng_or_seed: int | np.random.Generator, length_tokens: int, toke
         prev = point
     parts += [filler[prev:], question_ids]
     return HaystackSample(
-        ids=np.concatenate(parts), answer_ids=_code_ids(tokenizer, codes[0]),
-        answer=codes[0], question=question, facts=tuple(facts[k] for k in order),
-        fact_positions=np.array(positions, dtype=np.int32), target_fact=target,
-        subjects=tuple(subjects[k] for k in order), codes=tuple(codes[k] for k in order),
-        filler_tokens=int(filler_size))
+        ids=np.concatenate(parts),
+        answer_ids=_code_ids(tokenizer, codes[0]),
+        answer=codes[0],
+        question=question,
+        facts=tuple(facts[k] for k in order),
+        fact_positions=np.array(positions, dtype=np.int32),
+        target_fact=target,
+        subjects=tuple(subjects[k] for k in order),
+        codes=tuple(codes[k] for k in order),
+        filler_tokens=int(filler_size),
+    )
 
 
 def code_offset(sample: HaystackSample, fact: int, tokenizer: Tokenizer) -> int:
@@ -274,8 +318,13 @@ def code_split_by_starts(code_start: np.ndarray, starts: list[np.ndarray]) -> np
     return np.array([np.any((s >= first) & (s <= last)) for s, first, last in spans], bool)
 
 
-def shift_facts_earlier(sample: HaystackSample, shift: int, tokenizer: Tokenizer,
-                        rng: np.random.Generator, filler_split: str = FILLER_SPLIT) -> HaystackSample:
+def shift_facts_earlier(
+    sample: HaystackSample,
+    shift: int,
+    tokenizer: Tokenizer,
+    rng: np.random.Generator,
+    filler_split: str = FILLER_SPLIT,
+) -> HaystackSample:
     """The sample with every fact ``shift`` tokens earlier and the same length: ``shift`` filler
     tokens after ``<bos>`` are dropped and as many new ones (a random span of ``filler_split``) go
     right before the question. ``shift`` must not exceed the filler ahead of the first fact."""
@@ -284,13 +333,25 @@ def shift_facts_earlier(sample: HaystackSample, shift: int, tokenizer: Tokenizer
         raise ValueError(f"shift must be in [0, {ahead}] (the filler ahead of the first fact), got {shift}")
     question = _encode(tokenizer, sample.question).size
     extra, _ = _filler(rng, _filler_stream(tokenizer, filler_split), shift)
-    ids = np.concatenate([sample.ids[:1], sample.ids[1 + shift:sample.ids.size - question], extra,
-                          sample.ids[sample.ids.size - question:]])
+    ids = np.concatenate(
+        [
+            sample.ids[:1],
+            sample.ids[1 + shift : sample.ids.size - question],
+            extra,
+            sample.ids[sample.ids.size - question :],
+        ]
+    )
     return replace(sample, ids=ids, fact_positions=sample.fact_positions - shift)
 
 
-def split_asked_fact(sample: HaystackSample, offset: int, segment_size: int, tokenizer: Tokenizer,
-                     rng: np.random.Generator, filler_split: str = FILLER_SPLIT) -> HaystackSample | None:
+def split_asked_fact(
+    sample: HaystackSample,
+    offset: int,
+    segment_size: int,
+    tokenizer: Tokenizer,
+    rng: np.random.Generator,
+    filler_split: str = FILLER_SPLIT,
+) -> HaystackSample | None:
     """The sample shifted earlier so that a segment starts ``offset`` tokens into the asked fact's code
     (``offset`` in ``[-TOKENS_BEFORE_CODE, CODE_DIGITS)``: from " is" to the last digit, every case
     :func:`code_split_by_boundary` counts), or None where the filler ahead of the first fact is shorter
@@ -303,9 +364,16 @@ def split_asked_fact(sample: HaystackSample, offset: int, segment_size: int, tok
     return shift_facts_earlier(sample, shift, tokenizer, rng, filler_split)
 
 
-def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, num_facts: int = 4,
-               target_depth: float | None = None, shared_word: bool = False,
-               filler_split: str = FILLER_SPLIT) -> dict[str, np.ndarray]:
+def make_batch(
+    seed: int,
+    batch: int,
+    length_tokens: int,
+    tokenizer: Tokenizer,
+    num_facts: int = 4,
+    target_depth: float | None = None,
+    shared_word: bool = False,
+    filler_split: str = FILLER_SPLIT,
+) -> dict[str, np.ndarray]:
     """Stacked samples; sample i is ``make_sample(np.random.default_rng([seed, i]), ...)``.
 
     Besides the prompt (``ids``), answer, fact offsets and asked fact's index, it holds every fact's
@@ -317,16 +385,31 @@ def make_batch(seed: int, batch: int, length_tokens: int, tokenizer: Tokenizer, 
         raise ValueError(f"batch must be >= 1, got {batch}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
-    samples = [make_sample(np.random.default_rng([seed, i]), length_tokens, tokenizer,
-                           num_facts=num_facts, target_depth=target_depth, shared_word=shared_word,
-                           filler_split=filler_split)
-               for i in range(batch)]
+    samples = [
+        make_sample(
+            np.random.default_rng([seed, i]),
+            length_tokens,
+            tokenizer,
+            num_facts=num_facts,
+            target_depth=target_depth,
+            shared_word=shared_word,
+            filler_split=filler_split,
+        )
+        for i in range(batch)
+    ]
     return _stack(samples, tokenizer)
 
 
-def held_out_batch(indices: range, length_tokens: int, tokenizer: Tokenizer, num_facts: int = 4,
-                   shared_word: bool = False, filler_split: str = FILLER_SPLIT,
-                   split_segment: int | None = None, target_depth: float | None = None) -> dict[str, np.ndarray]:
+def held_out_batch(
+    indices: range,
+    length_tokens: int,
+    tokenizer: Tokenizer,
+    num_facts: int = 4,
+    shared_word: bool = False,
+    filler_split: str = FILLER_SPLIT,
+    split_segment: int | None = None,
+    target_depth: float | None = None,
+) -> dict[str, np.ndarray]:
     """Held-out evaluation samples ``indices``, stacked as :func:`make_batch` stacks them.
 
     Sample i is ``make_batch(eval_seed(i), 1, ...)``'s one sample whatever batch it is drawn in, so
@@ -341,28 +424,53 @@ def held_out_batch(indices: range, length_tokens: int, tokenizer: Tokenizer, num
     if not len(indices):
         raise ValueError("indices must not be empty")
     if split_segment is not None and target_depth is not None:
-        raise ValueError("split_segment shifts the asked fact, so it cannot keep a target_depth: give one of them")
-    make = functools.partial(make_sample, length_tokens=length_tokens, tokenizer=tokenizer, num_facts=num_facts,
-                             shared_word=shared_word, filler_split=filler_split, target_depth=target_depth)
+        raise ValueError(
+            "split_segment shifts the asked fact, so it cannot keep a target_depth: give one of them"
+        )
+    make = functools.partial(
+        make_sample,
+        length_tokens=length_tokens,
+        tokenizer=tokenizer,
+        num_facts=num_facts,
+        shared_word=shared_word,
+        filler_split=filler_split,
+        target_depth=target_depth,
+    )
     samples = [make(np.random.default_rng([eval_seed(i), 0])) for i in indices]
     if split_segment is not None:
-        samples = [_held_out_split(s, i, split_segment, make, tokenizer, filler_split)
-                   for s, i in zip(samples, indices)]
+        samples = [
+            _held_out_split(s, i, split_segment, make, tokenizer, filler_split)
+            for s, i in zip(samples, indices)
+        ]
     return _stack(samples, tokenizer)
 
 
-def _held_out_split(sample: HaystackSample, index: int, segment_size: int, make: functools.partial,
-                    tokenizer: Tokenizer, filler_split: str) -> HaystackSample:
+def _held_out_split(
+    sample: HaystackSample,
+    index: int,
+    segment_size: int,
+    make: functools.partial,
+    tokenizer: Tokenizer,
+    filler_split: str,
+) -> HaystackSample:
     """Held-out sample ``index`` split by a segment boundary (see :func:`held_out_batch`)."""
     rng = np.random.default_rng([eval_seed(index), 1])
     offset = int(rng.integers(-TOKENS_BEFORE_CODE, CODE_DIGITS))
     split = split_asked_fact(sample, offset, segment_size, tokenizer, rng, filler_split)
     if split is None:
-        split = split_asked_fact(make(np.random.default_rng([eval_seed(index), 2]), target_depth=0.5), offset,
-                                 segment_size, tokenizer, rng, filler_split)
+        split = split_asked_fact(
+            make(np.random.default_rng([eval_seed(index), 2]), target_depth=0.5),
+            offset,
+            segment_size,
+            tokenizer,
+            rng,
+            filler_split,
+        )
     if split is None:
-        raise ValueError(f"a sample of {sample.ids.size} tokens is too short to split at a boundary of "
-                         f"{segment_size}-token segments")
+        raise ValueError(
+            f"a sample of {sample.ids.size} tokens is too short to split at a boundary of "
+            f"{segment_size}-token segments"
+        )
     return split
 
 

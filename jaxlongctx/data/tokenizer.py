@@ -36,10 +36,12 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must hold the 256 bytes and 3 specials, got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -97,16 +99,21 @@ def build_assets() -> dict[str, object]:
         stats["splits"][split]["tokens"] = int(encode_corpus(split).size)
     manifest = {
         "description": "Corpus behind jaxlongctx/assets/tokenizer.json; built by "
-                       "jaxlongctx.data.tokenizer.build_assets() (see jaxlongctx/data/corpus.py).",
-        "sources": ["pydoc_data.topics.topics (one document per topic, sorted by key)",
-                    "docstrings read with ast from the source of the modules listed below"],
+        "jaxlongctx.data.tokenizer.build_assets() (see jaxlongctx/data/corpus.py).",
+        "sources": [
+            "pydoc_data.topics.topics (one document per topic, sorted by key)",
+            "docstrings read with ast from the source of the modules listed below",
+        ],
         "split_rule": "sha1(identity) % 100: <90 train, <95 validation, else calibration",
         "python_version": stats["python_version"],
         "modules": stats["modules"],
         "skipped_modules": stats["skipped_modules"],
         "splits": stats["splits"],
-        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "sha1": _sha1(TOKENIZER_PATH),
-                      "special_tokens": dict(zip(SPECIAL_TOKENS, (PAD_ID, BOS_ID, EOS_ID)))},
+        "tokenizer": {
+            "vocab_size": tokenizer.get_vocab_size(),
+            "sha1": _sha1(TOKENIZER_PATH),
+            "special_tokens": dict(zip(SPECIAL_TOKENS, (PAD_ID, BOS_ID, EOS_ID))),
+        },
     }
     MANIFEST_PATH.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest

@@ -18,7 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxlongctx.kvcache.codebooks import GRANULARITIES, Codebooks, Granularity, load_codebooks, save_codebooks, train_codebooks
+from jaxlongctx.kvcache.codebooks import (
+    GRANULARITIES,
+    Codebooks,
+    Granularity,
+    load_codebooks,
+    save_codebooks,
+    train_codebooks,
+)
 from jaxlongctx.model.llama import forward_hidden
 from jaxlongctx.model.model import Model
 from jaxlongctx.output_dir import check_output
@@ -42,7 +49,9 @@ def model_fingerprint(model: Model) -> str:
 def check_codebooks(model: Model, codebooks: Codebooks) -> None:
     """ValueError unless `codebooks` fit the model's shapes and (when recorded) its fingerprint."""
     if not isinstance(codebooks, Codebooks):
-        raise ValueError(f"codebooks must be a Codebooks (see load_codebooks), got {type(codebooks).__name__}")
+        raise ValueError(
+            f"codebooks must be a Codebooks (see load_codebooks), got {type(codebooks).__name__}"
+        )
     cfg = model.config
     want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     got = (codebooks.num_layers, codebooks.num_kv_heads, codebooks.head_dim)
@@ -50,8 +59,10 @@ def check_codebooks(model: Model, codebooks: Codebooks) -> None:
         raise ValueError(f"codebooks are for (layers, kv heads, head dim) = {got}, the model has {want}")
     found = codebooks.model_fingerprint
     if found and found != model_fingerprint(model):
-        raise ValueError(f"codebooks were calibrated on another model (fingerprint {found}, "
-                         f"this model is {model_fingerprint(model)}); run `jaxlongctx calibrate` for it")
+        raise ValueError(
+            f"codebooks were calibrated on another model (fingerprint {found}, "
+            f"this model is {model_fingerprint(model)}); run `jaxlongctx calibrate` for it"
+        )
 
 
 def load_codebooks_for(model: Model, path: str | Path) -> Codebooks:
@@ -61,15 +72,23 @@ def load_codebooks_for(model: Model, path: str | Path) -> Codebooks:
     return codebooks
 
 
-def collect_kv(model: Model, tokens: np.ndarray, seq_len: int, max_tokens: int, batch_size: int = 4,
-               progress: bool = False) -> tuple[jnp.ndarray, jnp.ndarray]:
+def collect_kv(
+    model: Model,
+    tokens: np.ndarray,
+    seq_len: int,
+    max_tokens: int,
+    batch_size: int = 4,
+    progress: bool = False,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Post-RoPE keys and values `[L, N, K, D]` (float32) over non-overlapping windows of `seq_len` tokens."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     if seq_len < 1 or max_tokens < seq_len:
         raise ValueError(f"need 1 <= seq_len <= max_tokens, got seq_len={seq_len}, max_tokens={max_tokens}")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= model.config.vocab_size):
-        raise ValueError(f"calibration token ids must be in [0, {model.config.vocab_size}), got "
-                         f"[{tokens.min()}, {tokens.max()}] (tokenizer of another model?)")
+        raise ValueError(
+            f"calibration token ids must be in [0, {model.config.vocab_size}), got "
+            f"[{tokens.min()}, {tokens.max()}] (tokenizer of another model?)"
+        )
     windows = min(len(tokens), max_tokens) // seq_len
     if windows == 0:
         raise ValueError(f"calibration text has {len(tokens)} tokens, fewer than one window of {seq_len}")
@@ -77,28 +96,56 @@ def collect_kv(model: Model, tokens: np.ndarray, seq_len: int, max_tokens: int, 
     fn = jax.jit(lambda p, x: forward_hidden(model.merge(p), x, jnp.ones(x.shape, bool), collect_kv=True)[1])
     ks, vs = [], []
     for start in tqdm(range(0, windows, batch_size), desc="calibration forward", disable=not progress):
-        k, v = fn(model.params, jnp.asarray(ids[start:start + batch_size]))  # [L, b, T, K, D]
+        k, v = fn(model.params, jnp.asarray(ids[start : start + batch_size]))  # [L, b, T, K, D]
         ks.append(k.astype(jnp.float32).reshape(k.shape[0], -1, *k.shape[3:]))
         vs.append(v.astype(jnp.float32).reshape(v.shape[0], -1, *v.shape[3:]))
     return jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1)
 
 
-def calibrate(model: Model, token_stream: np.ndarray, ds: int = 2, bits: int = 8,
-              granularity: Granularity = "shared", iters: int = 25, *, seq_len: int = 512,
-              max_tokens: int = 16384, seed: int = 0, progress: bool = False, source: str = "",
-              points_per_centroid: int = 256, tol: float = 0.0) -> Codebooks:
+def calibrate(
+    model: Model,
+    token_stream: np.ndarray,
+    ds: int = 2,
+    bits: int = 8,
+    granularity: Granularity = "shared",
+    iters: int = 25,
+    *,
+    seq_len: int = 512,
+    max_tokens: int = 16384,
+    seed: int = 0,
+    progress: bool = False,
+    source: str = "",
+    points_per_centroid: int = 256,
+    tol: float = 0.0,
+) -> Codebooks:
     """Codebooks for `model` from its post-RoPE K/V over `token_stream` (keep it apart from evaluation text)."""
     if not isinstance(model, Model):
         raise ValueError(f"calibrate needs a full-attention jaxlongctx Model, got {type(model).__name__}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     keys, values = collect_kv(model, token_stream, seq_len, max_tokens, progress=progress)
-    per_problem = keys.shape[1] * {"shared": keys.shape[0] * keys.shape[2], "layer": keys.shape[2], "layer_head": 1}[granularity]
+    per_problem = (
+        keys.shape[1]
+        * {"shared": keys.shape[0] * keys.shape[2], "layer": keys.shape[2], "layer_head": 1}[granularity]
+    )
     if per_problem < 2**bits:
-        raise ValueError(f"{keys.shape[1]} calibration tokens give {per_problem} vectors per k-means problem, "
-                         f"fewer than the {2**bits} centroids; use more calibration text")
-    cb = train_codebooks(keys, values, ds, bits, granularity, iters, key=jax.random.key(seed), progress=progress,
-                         model_fingerprint=model_fingerprint(model), points_per_centroid=points_per_centroid, tol=tol)
+        raise ValueError(
+            f"{keys.shape[1]} calibration tokens give {per_problem} vectors per k-means problem, "
+            f"fewer than the {2**bits} centroids; use more calibration text"
+        )
+    cb = train_codebooks(
+        keys,
+        values,
+        ds,
+        bits,
+        granularity,
+        iters,
+        key=jax.random.key(seed),
+        progress=progress,
+        model_fingerprint=model_fingerprint(model),
+        points_per_centroid=points_per_centroid,
+        tol=tol,
+    )
     meta = {**cb.metadata, "calibration_tokens": int(keys.shape[1]), "seq_len": seq_len, "seed": seed}
     if source:
         meta["calibration_source"] = source
@@ -108,22 +155,40 @@ def calibrate(model: Model, token_stream: np.ndarray, ds: int = 2, bits: int = 8
 # --- CLI: calibrate --------------------------------------------------------------------------------
 def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `jaxlongctx calibrate`."""
-    parser.add_argument("--model", "--ckpt", dest="model", required=True, help="jaxlongctx checkpoint or HF model directory")
+    parser.add_argument(
+        "--model", "--ckpt", dest="model", required=True, help="jaxlongctx checkpoint or HF model directory"
+    )
     parser.add_argument("--text", help="calibration text file (default: the built-in calibration split)")
     parser.add_argument("--out", required=True, help="output codebooks directory")
-    parser.add_argument("--ds", type=int, default=2, help="subspace size (2: 4 bits/element, 4: 2 bits/element)")
-    parser.add_argument("--bits", type=int, default=8, help="bits per code, at most 8 (default 8: 256 centroids)")
+    parser.add_argument(
+        "--ds", type=int, default=2, help="subspace size (2: 4 bits/element, 4: 2 bits/element)"
+    )
+    parser.add_argument(
+        "--bits", type=int, default=8, help="bits per code, at most 8 (default 8: 256 centroids)"
+    )
     parser.add_argument("--granularity", choices=GRANULARITIES, default="shared")
     parser.add_argument("--iters", type=int, default=25, help="k-means iterations (default 25)")
     parser.add_argument("--seq-len", type=int, default=512, help="calibration window length (default 512)")
-    parser.add_argument("--max-tokens", type=int, default=16384, help="calibration tokens used (default 16384)")
-    parser.add_argument("--points-per-centroid", type=int, default=64,
-                        help="k-means vectors sampled per centroid in each problem (default 64)")
-    parser.add_argument("--tol", type=float, default=1e-3,
-                        help="stop k-means once the total error falls by at most this fraction in an "
-                             "iteration (default 1e-3; 0 runs every --iters)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=16384, help="calibration tokens used (default 16384)"
+    )
+    parser.add_argument(
+        "--points-per-centroid",
+        type=int,
+        default=64,
+        help="k-means vectors sampled per centroid in each problem (default 64)",
+    )
+    parser.add_argument(
+        "--tol",
+        type=float,
+        default=1e-3,
+        help="stop k-means once the total error falls by at most this fraction in an "
+        "iteration (default 1e-3; 0 runs every --iters)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)")
+    parser.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
 
@@ -144,9 +209,21 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"{args.model} has no tokenizer.json, so --text cannot be tokenized")
         tokens = np.asarray(model.tokenizer.encode(text_path.read_text()).ids, np.int32)
         source = str(text_path)
-    cb = calibrate(model, tokens, args.ds, args.bits, args.granularity, args.iters, seq_len=args.seq_len,
-                   max_tokens=args.max_tokens, seed=args.seed, progress=True, source=source,
-                   points_per_centroid=args.points_per_centroid, tol=args.tol)
+    cb = calibrate(
+        model,
+        tokens,
+        args.ds,
+        args.bits,
+        args.granularity,
+        args.iters,
+        seq_len=args.seq_len,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        progress=True,
+        source=source,
+        points_per_centroid=args.points_per_centroid,
+        tol=args.tol,
+    )
     path = save_codebooks(cb, args.out, overwrite=args.overwrite, inputs=(args.model, args.text))
     summary = {"out": str(path), "ds": cb.ds, "bits": cb.bits, "granularity": cb.granularity, **cb.metadata}
     print(json.dumps(summary))

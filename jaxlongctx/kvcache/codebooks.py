@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,9 @@ def _check_ds(ds: int, head_dim: int) -> None:
         raise ValueError(f"ds must be a positive divisor of head_dim={head_dim}, got {ds}")
 
 
-def centroid_shape(granularity: str, num_layers: int, num_kv_heads: int, head_dim: int, ds: int, bits: int) -> tuple[int, ...]:
+def centroid_shape(
+    granularity: str, num_layers: int, num_kv_heads: int, head_dim: int, ds: int, bits: int
+) -> tuple[int, ...]:
     """Shape of the key (or value) centroid array for a granularity."""
     base = (head_dim // ds, 2**bits, ds)  # [M, C, ds]
     if granularity == "shared":
@@ -77,12 +80,18 @@ class Codebooks:
         _check_ds(self.ds, self.head_dim)
         for k, v in self.metadata.items():
             if not isinstance(k, str) or not isinstance(v, (str, int, float, bool)):
-                raise ValueError(f"metadata must map str to str/int/float/bool (JSON scalars), got {k!r}: {v!r}")
-        want = centroid_shape(self.granularity, self.num_layers, self.num_kv_heads, self.head_dim, self.ds, self.bits)
+                raise ValueError(
+                    f"metadata must map str to str/int/float/bool (JSON scalars), got {k!r}: {v!r}"
+                )
+        want = centroid_shape(
+            self.granularity, self.num_layers, self.num_kv_heads, self.head_dim, self.ds, self.bits
+        )
         for name in ("key_centroids", "value_centroids"):
             got = tuple(getattr(self, name).shape)
             if got != want:
-                raise ValueError(f"{name} has shape {got}, expected {want} for granularity={self.granularity!r}")
+                raise ValueError(
+                    f"{name} has shape {got}, expected {want} for granularity={self.granularity!r}"
+                )
 
     @property
     def num_subspaces(self) -> int:
@@ -134,14 +143,14 @@ class Codebooks:
 
 def _problems(x: jax.Array, granularity: str, ds: int) -> jax.Array:
     """Calibration vectors x[L, N, K, D] -> k-means problems [P, n, ds], P ordered as the centroid shape."""
-    l, n, kv, d = x.shape
+    nl, n, kv, d = x.shape
     m = d // ds
-    sub = x.reshape(l, n, kv, m, ds)
+    sub = x.reshape(nl, n, kv, m, ds)
     if granularity == "shared":
-        return sub.transpose(3, 0, 1, 2, 4).reshape(m, l * n * kv, ds)  # P = M
+        return sub.transpose(3, 0, 1, 2, 4).reshape(m, nl * n * kv, ds)  # P = M
     if granularity == "layer":
-        return sub.transpose(0, 3, 1, 2, 4).reshape(l * m, n * kv, ds)  # P = L*M
-    return sub.transpose(0, 2, 3, 1, 4).reshape(l * kv * m, n, ds)  # P = L*K*M
+        return sub.transpose(0, 3, 1, 2, 4).reshape(nl * m, n * kv, ds)  # P = L*M
+    return sub.transpose(0, 2, 3, 1, 4).reshape(nl * kv * m, n, ds)  # P = L*K*M
 
 
 def train_codebooks(
@@ -174,8 +183,16 @@ def train_codebooks(
     _check_ds(ds, head_dim)
     shape = centroid_shape(granularity, num_layers, num_kv_heads, head_dim, ds, bits)
     problems = jnp.concatenate([_problems(keys, granularity, ds), _problems(values, granularity, ds)])
-    cent, history = kmeans(problems, 2**bits, iters, key=key, init=init, progress=progress,
-                           max_points_per_centroid=points_per_centroid, tol=tol)
+    cent, history = kmeans(
+        problems,
+        2**bits,
+        iters,
+        key=key,
+        init=init,
+        progress=progress,
+        max_points_per_centroid=points_per_centroid,
+        tol=tol,
+    )
     half = cent.shape[0] // 2
     final = np.asarray(history[:, -1])
     metadata = {
@@ -217,15 +234,19 @@ def _static_fields(cb: Codebooks) -> dict[str, Any]:
     }
 
 
-def save_codebooks(cb: Codebooks, path: str | Path, *, overwrite: bool = False,
-                   inputs: Iterable[str | Path | None] = ()) -> Path:
+def save_codebooks(
+    cb: Codebooks, path: str | Path, *, overwrite: bool = False, inputs: Iterable[str | Path | None] = ()
+) -> Path:
     """Write codebooks to directory `path` (orbax arrays + codebooks.json), atomically; `inputs`
     (the model they were calibrated on) may not lie inside `path`."""
     import orbax.checkpoint as ocp
 
     check_finite_centroids(cb, str(path))
     with atomic_directory(path, overwrite=overwrite, kind="codebooks", inputs=inputs) as tmp:
-        arrays = {"key_centroids": np.asarray(cb.key_centroids), "value_centroids": np.asarray(cb.value_centroids)}
+        arrays = {
+            "key_centroids": np.asarray(cb.key_centroids),
+            "value_centroids": np.asarray(cb.value_centroids),
+        }
         with ocp.PyTreeCheckpointer() as ckptr:
             ckptr.save(tmp / _ARRAYS_DIR, arrays)
         (tmp / _META_FILE).write_text(json.dumps(_static_fields(cb), indent=2) + "\n")
@@ -248,12 +269,23 @@ def _read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"codebooks at {path}: {_META_FILE} is corrupt ({e})") from e
-    required = ("format_version", "granularity", "ds", "bits", "head_dim", "num_layers", "num_kv_heads", "metadata")
+    required = (
+        "format_version",
+        "granularity",
+        "ds",
+        "bits",
+        "head_dim",
+        "num_layers",
+        "num_kv_heads",
+        "metadata",
+    )
     missing = [f for f in required if not isinstance(meta, dict) or f not in meta]
     if missing:
         raise ValueError(f"codebooks at {path}: {_META_FILE} lacks fields {missing}")
     if meta["format_version"] != FORMAT_VERSION:
-        raise ValueError(f"codebooks at {path}: format_version {meta['format_version']}, expected {FORMAT_VERSION}")
+        raise ValueError(
+            f"codebooks at {path}: format_version {meta['format_version']}, expected {FORMAT_VERSION}"
+        )
     return meta
 
 
@@ -267,9 +299,7 @@ def load_codebooks(path: str | Path, expected_fingerprint: str | None = None) ->
     meta = _read_meta(path)
     found = str(meta["metadata"].get("model_fingerprint", ""))
     if expected_fingerprint is not None and found != expected_fingerprint:
-        raise ValueError(
-            f"codebooks at {path} were made for model {found!r}, not {expected_fingerprint!r}"
-        )
+        raise ValueError(f"codebooks at {path} were made for model {found!r}, not {expected_fingerprint!r}")
     if not (path / _ARRAYS_DIR).is_dir():
         raise ValueError(f"codebooks at {path}: missing {_ARRAYS_DIR}/ directory")
     try:
@@ -338,5 +368,7 @@ def cache_bytes(
         "total_bytes": total,
         "dense_bf16_bytes": dense,
         "compression": dense / total if total else float("inf"),
-        "bits_per_element": 8 * total / (kv_layers_heads * num_tokens * head_dim) if num_tokens else float("inf"),
+        "bits_per_element": 8 * total / (kv_layers_heads * num_tokens * head_dim)
+        if num_tokens
+        else float("inf"),
     }

@@ -29,7 +29,7 @@ _MIN_TILE_POINTS = 64
 def _nearest(coords: list[jax.Array], cent: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Squared distance to, and index of, the nearest centroid for points given as ds coordinate
     arrays [P, b]: one centroid at a time with a running minimum; ties go to the lowest index."""
-    p, k, ds = cent.shape
+    _p, k, ds = cent.shape
 
     def body(i, best):
         best_d, best_i = best
@@ -51,7 +51,9 @@ def _assign(x: jax.Array, cent: jax.Array) -> tuple[jax.Array, ...]:
     p, n, ds = x.shape
     k = cent.shape[1]
     b = min(n, max(_MIN_TILE_POINTS, _TILE_ELEMENTS // p))
-    tiles = jnp.pad(x, ((0, 0), (0, -n % b), (0, 0))).reshape(p, -1, b, ds).transpose(1, 3, 0, 2)  # [nb, ds, P, b]
+    tiles = (
+        jnp.pad(x, ((0, 0), (0, -n % b), (0, 0))).reshape(p, -1, b, ds).transpose(1, 3, 0, 2)
+    )  # [nb, ds, P, b]
     best_d, assign = jax.lax.map(lambda tile: _nearest(list(tile), cent), tiles)  # [nb, P, b] each
     best_d = best_d.transpose(1, 0, 2).reshape(p, -1)[:, :n]
     assign = assign.transpose(1, 0, 2).reshape(p, -1)[:, :n]
@@ -78,7 +80,7 @@ def _lloyd_step(x: jax.Array, cent: jax.Array, rms: jax.Array) -> tuple[jax.Arra
     over its points (and no donor serves two empty clusters); otherwise it stays at mu_d, so
     the copy only adds an option.
     """
-    p, k, ds = cent.shape
+    _p, k, ds = cent.shape
     assign, counts, sums, sse = _assign(x, cent)
     objective = sse / x.shape[1]
     nonempty = counts > 0
@@ -96,7 +98,9 @@ def _lloyd_step(x: jax.Array, cent: jax.Array, rms: jax.Array) -> tuple[jax.Arra
     by_size = jnp.argsort(-counts, axis=-1, stable=True)  # donors, largest first
     empty_rank = jnp.cumsum(empty, axis=-1) - 1
     donor = jnp.take_along_axis(by_size, empty_rank % jnp.maximum(n_nonempty, 1), axis=-1)  # [P, k]
-    copy = jnp.take_along_axis(means, donor[..., None], axis=1) + jnp.take_along_axis(delta, donor[..., None], axis=1)
+    copy = jnp.take_along_axis(means, donor[..., None], axis=1) + jnp.take_along_axis(
+        delta, donor[..., None], axis=1
+    )
     new = jnp.where(empty[..., None], copy, means)
     symmetric = empty & (n_empty <= n_nonempty) & jnp.take_along_axis(split_lowers_cost, donor, axis=-1)
     donor_moves = _segment_sum(symmetric.astype(jnp.float32), jnp.where(symmetric, donor, 0), k) > 0
@@ -184,7 +188,11 @@ def kmeans(
     for _ in bar:
         cent, obj = _lloyd_step(x, cent, rms)
         history.append(jax.block_until_ready(obj))
-        if tol and len(history) > 1 and float(jnp.sum(history[-2] - history[-1])) <= tol * float(jnp.sum(history[-2])):
+        if (
+            tol
+            and len(history) > 1
+            and float(jnp.sum(history[-2] - history[-1])) <= tol * float(jnp.sum(history[-2]))
+        ):
             bar.close()  # converged: the objective below is that of the centroids just computed
             break
     history.append(_objective(x, cent))

@@ -53,8 +53,17 @@ class PQCache(NamedTuple):
         return sum(int(x.size) * x.dtype.itemsize for x in self)
 
     @classmethod
-    def from_prefill(cls, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray, k_cent: jnp.ndarray,
-                     v_cent: jnp.ndarray, capacity: int, window: int, keep_tail_exact: bool = False) -> PQCache:
+    def from_prefill(
+        cls,
+        k: jnp.ndarray,
+        v: jnp.ndarray,
+        mask: jnp.ndarray,
+        k_cent: jnp.ndarray,
+        v_cent: jnp.ndarray,
+        capacity: int,
+        window: int,
+        keep_tail_exact: bool = False,
+    ) -> PQCache:
         """Encode prompt keys/values `[L, B, T, K, D]` (mask `[B, T]`, pads anywhere) into a cache.
 
         Centroids are stacked per layer (`Codebooks.stacked()`). By default every prompt token is
@@ -67,7 +76,9 @@ class PQCache(NamedTuple):
             raise ValueError(f"capacity {capacity} must hold the {t} prompt slots")
         lens = mask.sum(axis=1).astype(jnp.int32)  # [B]
         order = jnp.argsort(~mask, axis=1, stable=True)  # real tokens first, in sequence order
-        k = jnp.take_along_axis(k, order[None, :, :, None, None], axis=2).transpose(0, 1, 3, 2, 4)  # L B K T D
+        k = jnp.take_along_axis(k, order[None, :, :, None, None], axis=2).transpose(
+            0, 1, 3, 2, 4
+        )  # L B K T D
         v = jnp.take_along_axis(v, order[None, :, :, None, None], axis=2).transpose(0, 1, 3, 2, 4)
         exact = jnp.where(lens > 0, (lens - 1) % window + 1, 0) if keep_tail_exact else jnp.zeros_like(lens)
         coded = lens - exact
@@ -97,15 +108,21 @@ def flush_full_rows(cache: PQCache, k_cent: jnp.ndarray, v_cent: jnp.ndarray) ->
     codes, so harmless); only full rows advance. Needs `lengths + R <= capacity` for every row.
     """
     full = cache.window_lengths >= cache.window  # [B]
-    put = jax.vmap(lambda buf, new, off: jax.lax.dynamic_update_slice(buf, new, (0, 0, off, 0)),
-                   in_axes=(1, 1, 0), out_axes=1)  # per-row offset along T of [L, B, K, T, M]
+    put = jax.vmap(
+        lambda buf, new, off: jax.lax.dynamic_update_slice(buf, new, (0, 0, off, 0)),
+        in_axes=(1, 1, 0),
+        out_axes=1,
+    )  # per-row offset along T of [L, B, K, T, M]
 
     def flush(c: PQCache) -> PQCache:
         k_new = encode_layers(c.k_window, k_cent)  # L B K R M
         v_new = encode_layers(c.v_window, v_cent)
-        return c._replace(k_codes=put(c.k_codes, k_new, c.lengths), v_codes=put(c.v_codes, v_new, c.lengths),
-                          lengths=c.lengths + jnp.where(full, c.window, 0),
-                          window_lengths=jnp.where(full, 0, c.window_lengths))
+        return c._replace(
+            k_codes=put(c.k_codes, k_new, c.lengths),
+            v_codes=put(c.v_codes, v_new, c.lengths),
+            lengths=c.lengths + jnp.where(full, c.window, 0),
+            window_lengths=jnp.where(full, 0, c.window_lengths),
+        )
 
     return jax.lax.cond(full.any(), flush, lambda c: c, cache)
 
@@ -116,26 +133,53 @@ def write_window(window: jnp.ndarray, new: jnp.ndarray, at: jnp.ndarray) -> jnp.
     return jnp.where(hit, new[:, :, None, :].astype(window.dtype), window)
 
 
-def reconstruct_dense(cache: PQCache, k_cent: jnp.ndarray, v_cent: jnp.ndarray
-                      ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+def reconstruct_dense(
+    cache: PQCache, k_cent: jnp.ndarray, v_cent: jnp.ndarray
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """What attention sees: decoded codes then the exact window, as k/v `[L, B, T+R, K, D]` float32
     and key_valid `[B, T+R]` (coded slots < lengths, window slots < window_lengths)."""
     k = jnp.concatenate([decode_layers(cache.k_codes, k_cent), cache.k_window.astype(jnp.float32)], axis=3)
     v = jnp.concatenate([decode_layers(cache.v_codes, v_cent), cache.v_window.astype(jnp.float32)], axis=3)
-    valid = jnp.concatenate([jnp.arange(cache.capacity)[None] < cache.lengths[:, None],
-                             jnp.arange(cache.window)[None] < cache.window_lengths[:, None]], axis=1)
+    valid = jnp.concatenate(
+        [
+            jnp.arange(cache.capacity)[None] < cache.lengths[:, None],
+            jnp.arange(cache.window)[None] < cache.window_lengths[:, None],
+        ],
+        axis=1,
+    )
     return k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4), valid
 
 
-def pq_cache_report(config: ModelConfig, codebooks: Codebooks, tokens: int, window: int = DEFAULT_WINDOW,
-                    batch: int = 1) -> dict[str, int | float]:
+def pq_cache_report(
+    config: ModelConfig, codebooks: Codebooks, tokens: int, window: int = DEFAULT_WINDOW, batch: int = 1
+) -> dict[str, int | float]:
     """Exact bytes of a PQ cache holding `tokens` tokens per row (codes, bf16 window, codebooks) vs dense bf16."""
     if (codebooks.num_layers, codebooks.num_kv_heads, codebooks.head_dim) != (
-            config.num_layers, config.num_kv_heads, config.head_dim):
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+    ):
         raise ValueError(
             f"codebooks are for L={codebooks.num_layers}, K={codebooks.num_kv_heads}, D={codebooks.head_dim}; "
-            f"the model has L={config.num_layers}, K={config.num_kv_heads}, D={config.head_dim}")
-    report = cache_bytes(tokens, config.num_layers, config.num_kv_heads, config.head_dim, codebooks.ds,
-                         codebooks.bits, window, granularity=codebooks.granularity, batch=batch)
-    return {"tokens": tokens, "batch": batch, "window": window, "ds": codebooks.ds, "bits": codebooks.bits,
-            "granularity": codebooks.granularity, **report}
+            f"the model has L={config.num_layers}, K={config.num_kv_heads}, D={config.head_dim}"
+        )
+    report = cache_bytes(
+        tokens,
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        codebooks.ds,
+        codebooks.bits,
+        window,
+        granularity=codebooks.granularity,
+        batch=batch,
+    )
+    return {
+        "tokens": tokens,
+        "batch": batch,
+        "window": window,
+        "ds": codebooks.ds,
+        "bits": codebooks.bits,
+        "granularity": codebooks.granularity,
+        **report,
+    }

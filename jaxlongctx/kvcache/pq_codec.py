@@ -37,8 +37,8 @@ def _check(x_shape: tuple[int, ...], centroids: jax.Array, what: str) -> tuple[i
 
 def _encode_rows(x: jax.Array, centroids: jax.Array, rows: int) -> jax.Array:
     """x[N, D] with centroids[M, C, ds] -> codes[N, M] uint8, in blocks of `rows` rows."""
-    n, d = x.shape
-    m, c, ds = centroids.shape
+    n, _d = x.shape
+    m, _c, ds = centroids.shape
     rows = max(1, min(rows, n))  # a short input is not padded up to a whole block
     steps = -(-n // rows)
     xs = jnp.pad(x, ((0, steps * rows - n), (0, 0))).reshape(steps, rows, m, ds)
@@ -56,9 +56,11 @@ def encode(x: jax.Array, centroids: jax.Array, *, chunk_elems: int = DEFAULT_CHU
     """Nearest centroid per subspace: x[..., D] -> codes[..., M] uint8 (layouts: module docstring)."""
     x = jnp.asarray(x)
     centroids = jnp.asarray(centroids, jnp.float32)
-    m, c, ds = _check(x.shape, centroids, "x")
+    m, _c, ds = _check(x.shape, centroids, "x")
     if x.shape[-1] != m * ds:
-        raise ValueError(f"x has last dim {x.shape[-1]}, centroids {centroids.shape} need D = M*ds = {m * ds}")
+        raise ValueError(
+            f"x has last dim {x.shape[-1]}, centroids {centroids.shape} need D = M*ds = {m * ds}"
+        )
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
     return _encode_jit(x.astype(jnp.float32), centroids, chunk_elems)

@@ -55,7 +55,9 @@ def _quantize_last_axis(x: jax.Array, bits: int, group: int, scale_dtype: DTypeL
     return out.reshape(*x.shape[:-1], groups * group)[..., :a].astype(x.dtype)
 
 
-def fake_quantize_keys(k: jax.Array, bits: int, group: int = 32, *, scale_dtype: DTypeLike = jnp.float16) -> jax.Array:
+def fake_quantize_keys(
+    k: jax.Array, bits: int, group: int = 32, *, scale_dtype: DTypeLike = jnp.float16
+) -> jax.Array:
     """Per-channel quantize-dequantize of keys k[..., T, D]: groups of `group` tokens per channel."""
     k = jnp.asarray(k)
     _check(bits, group)
@@ -64,7 +66,9 @@ def fake_quantize_keys(k: jax.Array, bits: int, group: int = 32, *, scale_dtype:
     return jnp.swapaxes(_quantize_last_axis(jnp.swapaxes(k, -1, -2), bits, group, scale_dtype), -1, -2)
 
 
-def fake_quantize_values(v: jax.Array, bits: int, group: int = 32, *, scale_dtype: DTypeLike = jnp.float16) -> jax.Array:
+def fake_quantize_values(
+    v: jax.Array, bits: int, group: int = 32, *, scale_dtype: DTypeLike = jnp.float16
+) -> jax.Array:
     """Per-token quantize-dequantize of values v[..., T, D]: groups of `group` channels per token."""
     v = jnp.asarray(v)
     _check(bits, group)

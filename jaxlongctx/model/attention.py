@@ -12,8 +12,15 @@ PREFILL_QUERY_BLOCK = 256
 PREFILL_KEY_BLOCK = 512
 
 
-def attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_slot: jnp.ndarray,
-              key_valid: jnp.ndarray, *, heads_major: bool = False) -> jnp.ndarray:
+def attention(
+    q: jnp.ndarray,
+    k: jnp.ndarray,
+    v: jnp.ndarray,
+    q_slot: jnp.ndarray,
+    key_valid: jnp.ndarray,
+    *,
+    heads_major: bool = False,
+) -> jnp.ndarray:
     """Causal GQA attention: query t sees key slot s iff `key_valid[b, s]` and `s <= q_slot[b, t]`.
 
     q `[B, T, H, hd]`, k/v `[B, S, K, hd]` (or `[B, K, S, hd]` with `heads_major`, the dense cache
@@ -27,7 +34,7 @@ def attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_slot: jnp.ndarra
     # scores in the dot's natural output order [B, K, T, G, S]: any other order costs a transpose of
     # every score (measured 1.8x slower prefill attention on CPU)
     scores = jnp.einsum(f"btkgd,{keys}->bktgs", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (hd ** -0.5)
+    scores = scores * (hd**-0.5)
     slots = jnp.arange(num_slots)
     visible = key_valid[:, None, :] & (slots[None, None, :] <= q_slot[:, :, None])  # B T S
     scores = jnp.where(visible[:, None, :, None], scores, _MASKED)
@@ -39,8 +46,14 @@ def attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_slot: jnp.ndarra
     return (out / total[..., None]).reshape(b, t, h, hd).astype(q.dtype)
 
 
-def decode_attention(q: jnp.ndarray, cache_k: jnp.ndarray, cache_v: jnp.ndarray, k_new: jnp.ndarray,
-                     v_new: jnp.ndarray, visible: jnp.ndarray) -> jnp.ndarray:
+def decode_attention(
+    q: jnp.ndarray,
+    cache_k: jnp.ndarray,
+    cache_v: jnp.ndarray,
+    k_new: jnp.ndarray,
+    v_new: jnp.ndarray,
+    visible: jnp.ndarray,
+) -> jnp.ndarray:
     """One new token per row attending over the cache and over its own key/value, which are not yet in
     the cache: the softmax joins both parts, so the step never writes into a copy of the cache first.
 
@@ -50,20 +63,31 @@ def decode_attention(q: jnp.ndarray, cache_k: jnp.ndarray, cache_v: jnp.ndarray,
     b, _, h, hd = q.shape
     kv = cache_k.shape[1]
     qg = q.reshape(b, kv, h // kv, hd)  # B K G hd
-    scale = hd ** -0.5
+    scale = hd**-0.5
     scores = jnp.einsum("bkgd,bksd->bkgs", qg, cache_k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
-    own = jnp.einsum("bkgd,bkd->bkg", qg, k_new[:, 0].astype(qg.dtype), preferred_element_type=jnp.float32) * scale
+    own = (
+        jnp.einsum("bkgd,bkd->bkg", qg, k_new[:, 0].astype(qg.dtype), preferred_element_type=jnp.float32)
+        * scale
+    )
     top = jnp.maximum(jnp.max(scores, axis=-1), own)  # B K G
     weights, own_weight = jnp.exp(scores - top[..., None]), jnp.exp(own - top)
     total = jnp.sum(weights, axis=-1) + own_weight
-    out = jnp.einsum("bkgs,bksd->bkgd", weights.astype(cache_v.dtype), cache_v, preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "bkgs,bksd->bkgd", weights.astype(cache_v.dtype), cache_v, preferred_element_type=jnp.float32
+    )
     out = out + own_weight[..., None] * v_new[:, 0, :, None, :].astype(jnp.float32)
     return (out / total[..., None]).reshape(b, 1, h, hd).astype(q.dtype)
 
 
-def causal_prefill_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, key_valid: jnp.ndarray,
-                             chunk: int = PREFILL_QUERY_BLOCK, key_block: int = PREFILL_KEY_BLOCK) -> jnp.ndarray:
+def causal_prefill_attention(
+    q: jnp.ndarray,
+    k: jnp.ndarray,
+    v: jnp.ndarray,
+    key_valid: jnp.ndarray,
+    chunk: int = PREFILL_QUERY_BLOCK,
+    key_block: int = PREFILL_KEY_BLOCK,
+) -> jnp.ndarray:
     """Causal attention where query t sits at slot t.
 
     Inputs longer than `chunk` run flash-style: blocks of `chunk` queries walk the key blocks of
@@ -78,15 +102,20 @@ def causal_prefill_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, key
         return attention(q, k, v, jnp.broadcast_to(jnp.arange(t), (b, t)), key_valid)
     kv = k.shape[2]
     g = h // kv
-    n_q, n_k = -(-t // chunk), -(-t // key_block)  # queries and keys padded apart: no tile is wasted on padding
+    n_q, n_k = (
+        -(-t // chunk),
+        -(-t // key_block),
+    )  # queries and keys padded apart: no tile is wasted on padding
 
     def pad_to(x, length):
         return jnp.pad(x, ((0, 0), (0, length - t)) + ((0, 0),) * (x.ndim - 2))
 
-    q_blocks = pad_to(q, n_q * chunk).reshape(b, n_q, chunk, kv, g, hd).transpose(1, 0, 3, 2, 4, 5)  # Nq B K c G hd
+    q_blocks = (
+        pad_to(q, n_q * chunk).reshape(b, n_q, chunk, kv, g, hd).transpose(1, 0, 3, 2, 4, 5)
+    )  # Nq B K c G hd
     keys, values = (pad_to(x, n_k * key_block).transpose(0, 2, 1, 3) for x in (k, v))  # B K Tk hd
     key_valid = pad_to(key_valid, n_k * key_block)
-    scale = hd ** -0.5
+    scale = hd**-0.5
 
     def query_block(_, xs):
         i, qi = xs  # qi: B K c G hd
@@ -98,20 +127,27 @@ def causal_prefill_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, key
             kj = jax.lax.dynamic_slice_in_dim(keys, start, key_block, axis=2)  # B K kb hd
             vj = jax.lax.dynamic_slice_in_dim(values, start, key_block, axis=2)
             valid = jax.lax.dynamic_slice_in_dim(key_valid, start, key_block, axis=1)  # B kb
-            visible = valid[:, None, :] & ((start + jnp.arange(key_block))[None, None, :] <= q_slots[None, :, None])
+            visible = valid[:, None, :] & (
+                (start + jnp.arange(key_block))[None, None, :] <= q_slots[None, :, None]
+            )
             scores = jnp.einsum("bkcgd,bksd->bkcgs", qi, kj, preferred_element_type=jnp.float32) * scale
             scores = jnp.where(visible[:, None, :, None, :], scores, _MASKED)  # B K c G kb
             new_top = jax.lax.stop_gradient(jnp.maximum(top, jnp.max(scores, axis=-1)))
             weights = jnp.exp(scores - new_top[..., None])
             rescale = jnp.exp(top - new_top)
-            pv = jnp.einsum("bkcgs,bksd->bkcgd", weights.astype(v.dtype), vj, preferred_element_type=jnp.float32)
+            pv = jnp.einsum(
+                "bkcgs,bksd->bkcgd", weights.astype(v.dtype), vj, preferred_element_type=jnp.float32
+            )
             return new_top, total * rescale + jnp.sum(weights, axis=-1), acc * rescale[..., None] + pv
 
         def maybe_tile(j, state):  # key blocks past this query block's last slot hold nothing it sees
             return jax.lax.cond(j * key_block <= (i + 1) * chunk - 1, key_tile, lambda _, s: s, j, state)
 
-        init = (jnp.full((b, kv, chunk, g), _MASKED, jnp.float32), jnp.zeros((b, kv, chunk, g), jnp.float32),
-                jnp.zeros((b, kv, chunk, g, hd), jnp.float32))
+        init = (
+            jnp.full((b, kv, chunk, g), _MASKED, jnp.float32),
+            jnp.zeros((b, kv, chunk, g), jnp.float32),
+            jnp.zeros((b, kv, chunk, g, hd), jnp.float32),
+        )
         _, total, acc = jax.lax.fori_loop(0, n_k, maybe_tile, init)
         return None, (acc / total[..., None]).astype(q.dtype)
 

@@ -70,8 +70,9 @@ class DecoderLayer(nnx.Module):
         self.w_up = _dense_init(rngs, (d, f), dtype)
         self.w_down = _dense_init(rngs, (f, d), dtype)
 
-    def project_qkv(self, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, dense: Dense = matmul
-                    ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    def project_qkv(
+        self, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, dense: Dense = matmul
+    ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
         """Input norm, q/k/v projections, optional q/k norm and RoPE.
 
         h `[..., T, D]`, cos/sin `[..., T, hd]` -> q `[..., T, H, hd]`, k and v `[..., T, K, hd]` (post-RoPE).
@@ -81,7 +82,11 @@ class DecoderLayer(nnx.Module):
         x = rms_norm(h, per_layer(self.input_norm[...], h), cfg.rms_norm_eps)
         q, k, v = dense(x, self.wq[...]), dense(x, self.wk[...]), dense(x, self.wv[...])
         if cfg.qkv_bias:
-            q, k, v = q + per_layer(self.bq[...], q), k + per_layer(self.bk[...], k), v + per_layer(self.bv[...], v)
+            q, k, v = (
+                q + per_layer(self.bq[...], q),
+                k + per_layer(self.bk[...], k),
+                v + per_layer(self.bv[...], v),
+            )
         q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
         k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)

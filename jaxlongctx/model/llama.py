@@ -18,13 +18,20 @@ class Llama(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.config = config
-        self.embed = nnx.Param((0.02 * jax.random.normal(
-            rngs.params(), (config.vocab_size, config.hidden_size), jnp.float32)).astype(dtype))
+        self.embed = nnx.Param(
+            (
+                0.02 * jax.random.normal(rngs.params(), (config.vocab_size, config.hidden_size), jnp.float32)
+            ).astype(dtype)
+        )
         self.layers = stacked_layers(config, dtype=dtype, rngs=rngs)
         self.final_norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
         if not config.tie_word_embeddings:
-            self.lm_head = nnx.Param((0.02 * jax.random.normal(
-                rngs.params(), (config.hidden_size, config.vocab_size), jnp.float32)).astype(dtype))
+            self.lm_head = nnx.Param(
+                (
+                    0.02
+                    * jax.random.normal(rngs.params(), (config.hidden_size, config.vocab_size), jnp.float32)
+                ).astype(dtype)
+            )
 
     def embed_ids(self, ids: jnp.ndarray) -> jnp.ndarray:
         """Token embeddings `[B, T, D]` for ids `[B, T]`."""
@@ -71,8 +78,13 @@ def vocab_logits(x: jnp.ndarray, w: jnp.ndarray, vocab_axis: int) -> jnp.ndarray
     spec = "btd,vd->btv" if vocab_axis == 0 else "btd,dv->btv"
     vocab = w.shape[vocab_axis]
     tiles = vocab // HEAD_VOCAB_TILE
-    if (jax.default_backend() != "cpu" or w.dtype == jnp.float32 or tiles < 2
-            or x.shape[0] * x.shape[1] > HEAD_TILE_MAX_TOKENS or not jax.typeof(w).sharding.mesh.empty):
+    if (
+        jax.default_backend() != "cpu"
+        or w.dtype == jnp.float32
+        or tiles < 2
+        or x.shape[0] * x.shape[1] > HEAD_TILE_MAX_TOKENS
+        or not jax.typeof(w).sharding.mesh.empty
+    ):
         return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
     def tile(_, i):
@@ -90,8 +102,7 @@ def positions_from_mask(mask: jnp.ndarray) -> jnp.ndarray:
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def forward_hidden(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray,
-                   collect_kv: bool = False):
+def forward_hidden(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, collect_kv: bool = False):
     """Full causal forward; returns hidden states `[B, T, D]` and, if asked, per-layer post-RoPE
     k/v `[L, B, T, K, hd]` (for filling a cache)."""
     cos, sin = model.rope(positions_from_mask(mask))
@@ -110,8 +121,15 @@ def forward(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
     return model.head(forward_hidden(model, ids, mask))
 
 
-def decode_hidden(model: Llama, ids: jnp.ndarray, positions: jnp.ndarray, slot: jnp.ndarray,
-                  cache_k: jnp.ndarray, cache_v: jnp.ndarray, key_valid: jnp.ndarray):
+def decode_hidden(
+    model: Llama,
+    ids: jnp.ndarray,
+    positions: jnp.ndarray,
+    slot: jnp.ndarray,
+    cache_k: jnp.ndarray,
+    cache_v: jnp.ndarray,
+    key_valid: jnp.ndarray,
+):
     """One decode step over a static cache.
 
     ids `[B, 1]`, positions `[B, 1]` (RoPE), slot: scalar int (cache index the new token is written

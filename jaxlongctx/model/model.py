@@ -63,7 +63,8 @@ class Model:
             raise ValueError(
                 f"sequence length {total} exceeds sliding_window={self.config.sliding_window} of this "
                 f"{self.config.model_type} model; sliding-window attention is not supported, so inputs "
-                "must fit in the window")
+                "must fit in the window"
+            )
 
     def __call__(self, ids: Any, attention_mask: Any = None) -> jnp.ndarray:
         """Logits `[B, T, V]` for ids `[B, T]` (mask True = real token; pads may be on either side)."""

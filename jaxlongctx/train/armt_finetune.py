@@ -30,8 +30,15 @@ from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.armt.segments import Segments, pad_segments, segment, segment_at, token_rows
 from jaxlongctx.armt.sentences import SEGMENTATIONS, SentenceSegmenter, make_segmenter
 from jaxlongctx.data.corpus import SPLITS
-from jaxlongctx.data.haystack import (CODE_DIGITS, FILLER_SPLIT, TOKENS_BEFORE_CODE, follow_up_ids, make_sample,
-                                      split_asked_fact, train_seed)
+from jaxlongctx.data.haystack import (
+    CODE_DIGITS,
+    FILLER_SPLIT,
+    TOKENS_BEFORE_CODE,
+    follow_up_ids,
+    make_sample,
+    split_asked_fact,
+    train_seed,
+)
 from jaxlongctx.data.tokenizer import load_default_tokenizer
 from jaxlongctx.output_dir import check_output
 from jaxlongctx.train.evaluate import retrieval_accuracy
@@ -73,12 +80,21 @@ def stage_per_step(stages: list[Stage]) -> list[Stage]:
     return [stage for stage in stages for _ in range(stage.steps)]
 
 
-def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, segment_size: int,
-                   num_facts: int | tuple[int, int], boundary_fraction: float = 0.0,
-                   far_fraction: float = 0.0, follow_ups: bool = False,
-                   shared_word_fraction: float = 0.0, filler_split: str = TRAIN_FILLER_SPLIT,
-                   split_fraction: float = 0.0, segmenter: SentenceSegmenter | None = None
-                   ) -> dict[str, np.ndarray]:
+def haystack_batch(
+    seed: int,
+    batch: int,
+    total_tokens: int,
+    tokenizer: Any,
+    segment_size: int,
+    num_facts: int | tuple[int, int],
+    boundary_fraction: float = 0.0,
+    far_fraction: float = 0.0,
+    follow_ups: bool = False,
+    shared_word_fraction: float = 0.0,
+    filler_split: str = TRAIN_FILLER_SPLIT,
+    split_fraction: float = 0.0,
+    segmenter: SentenceSegmenter | None = None,
+) -> dict[str, np.ndarray]:
     """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
     the supervised answer digits, with `T = total_tokens`.
 
@@ -114,8 +130,12 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     lo, hi = (num_facts, num_facts) if isinstance(num_facts, int) else num_facts
     if not 1 <= lo <= hi:
         raise ValueError(f"num_facts must be >= 1 (a range lo <= hi), got {num_facts}")
-    for name, value in (("boundary_fraction", boundary_fraction), ("far_fraction", far_fraction),
-                        ("shared_word_fraction", shared_word_fraction), ("split_fraction", split_fraction)):
+    for name, value in (
+        ("boundary_fraction", boundary_fraction),
+        ("far_fraction", far_fraction),
+        ("shared_word_fraction", shared_word_fraction),
+        ("split_fraction", split_fraction),
+    ):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
     rng = np.random.default_rng([seed, 1])
@@ -133,12 +153,22 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
         depth = float(rng.uniform(0.0, 0.2)) if far_fraction and rng.random() < far_fraction else None
         facts = lo if lo == hi else int(rng.integers(lo, hi + 1))
         shared = bool(shared_word_fraction) and rng.random() < shared_word_fraction
-        make = functools.partial(make_sample, tokenizer=tokenizer, num_facts=facts, target_depth=depth,
-                                 shared_word=shared, filler_split=filler_split)
-        longest = make(np.random.default_rng([seed, i]), total_tokens - tail)  # facts, codes: seed only, not length
+        make = functools.partial(
+            make_sample,
+            tokenizer=tokenizer,
+            num_facts=facts,
+            target_depth=depth,
+            shared_word=shared,
+            filler_split=filler_split,
+        )
+        longest = make(
+            np.random.default_rng([seed, i]), total_tokens - tail
+        )  # facts, codes: seed only, not length
         fixed = longest.ids.size - longest.filler_tokens  # <bos>, facts and question
         others = [k for k in range(facts) if k != longest.target_fact]
-        follow = [follow_up_ids(longest, int(k), tokenizer) for k in rng.permutation(others)] if follow_ups else []
+        follow = (
+            [follow_up_ids(longest, int(k), tokenizer) for k in rng.permutation(others)] if follow_ups else []
+        )
         extra = sum(q.size + CODE_DIGITS for q, _ in follow)  # tokens after the first answer's digits
         while fixed + tail + extra > total_tokens:  # drop the follow-ups that do not fit
             extra -= follow.pop()[0].size + CODE_DIGITS
@@ -150,7 +180,12 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
         if split_fraction and rng.random() < split_fraction:
             offset = int(rng.integers(-TOKENS_BEFORE_CODE, CODE_DIGITS))
             sample = split_asked_fact(sample, offset, segment_size, tokenizer, rng, filler_split) or sample
-        parts, pos, digits, offset = [sample.ids, sample.answer_ids], [prompt - 1], [sample.answer_ids], prompt
+        parts, pos, digits, offset = (
+            [sample.ids, sample.answer_ids],
+            [prompt - 1],
+            [sample.answer_ids],
+            prompt,
+        )
         for question, code in follow:
             offset += CODE_DIGITS + question.size
             parts += [question, code]
@@ -158,12 +193,17 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
             digits.append(code)
         row = np.concatenate(parts)[:-1]  # the last digit is only a target
         n = CODE_DIGITS * len(digits)
-        ids[i, :row.size], lengths[i] = row, row.size
+        ids[i, : row.size], lengths[i] = row, row.size
         answer_ids[i, :n] = np.concatenate(digits)
         answer_pos[i, :n] = (np.array(pos)[:, None] + np.arange(CODE_DIGITS)[None]).reshape(-1)
         answer_mask[i, :n] = 1.0
-    out = {"ids": ids, "lengths": lengths, "answer_ids": answer_ids, "answer_pos": answer_pos,
-           "answer_mask": answer_mask}
+    out = {
+        "ids": ids,
+        "lengths": lengths,
+        "answer_ids": answer_ids,
+        "answer_pos": answer_pos,
+        "answer_mask": answer_mask,
+    }
     if segmenter is None:
         segs = segment(ids, lengths, segment_size)
     else:
@@ -173,7 +213,9 @@ def haystack_batch(seed: int, batch: int, total_tokens: int, tokenizer: Any, seg
     return {**out, "seg_ids": segs.ids, "seg_n": segs.n, "seg_first": segs.first}
 
 
-def answer_logits(logits: jnp.ndarray, positions: jnp.ndarray, slots: jnp.ndarray | None = None) -> jnp.ndarray:
+def answer_logits(
+    logits: jnp.ndarray, positions: jnp.ndarray, slots: jnp.ndarray | None = None
+) -> jnp.ndarray:
     """Logits `[nS, B, S, V]` -> those at the sample positions `[B, K]` (token order): `[B, K, V]`; with
     `slots [B, T]` (sentence segments) a token's logits are at its slot of the flattened segments."""
     flat = token_rows(logits, None, logits.shape[0] * logits.shape[2])  # B nS*S V
@@ -191,32 +233,49 @@ def retrieval_loss(logits: jnp.ndarray, batch: dict[str, jnp.ndarray], lm_weight
     with sentence segments the tokens' `slots [B, T]`.
     """
     slots = batch.get("slots")
-    answer = optax.softmax_cross_entropy_with_integer_labels(answer_logits(logits, batch["answer_pos"], slots),
-                                                             batch["answer_ids"])
+    answer = optax.softmax_cross_entropy_with_integer_labels(
+        answer_logits(logits, batch["answer_pos"], slots), batch["answer_ids"]
+    )
     mask = batch["answer_mask"]
     loss = jnp.sum(answer * mask) / jnp.sum(mask)
     if lm_weight:
         ids, lengths = batch["ids"], batch["lengths"]
         total = ids.shape[1]
-        lm = optax.softmax_cross_entropy_with_integer_labels(token_rows(logits, slots, total)[:, :-1], ids[:, 1:])
+        lm = optax.softmax_cross_entropy_with_integer_labels(
+            token_rows(logits, slots, total)[:, :-1], ids[:, 1:]
+        )
         weight = (jnp.arange(total - 1)[None] < lengths[:, None] - 1).astype(lm.dtype)  # real targets
         loss = loss + lm_weight * jnp.sum(lm * weight) / jnp.sum(weight)
     return loss
 
 
-def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, stages: list[Stage],
-                 num_facts: int | tuple[int, int] = 1, lm_weight: float = 1.0, freeze_base: bool = False, seed: int = 0,
-                 boundary_fraction: float = 0.0, far_fraction: float = 0.0, follow_ups: bool = False,
-                 shared_word_fraction: float = 0.0, filler_split: str = TRAIN_FILLER_SPLIT,
-                 split_fraction: float = 0.0, segmentation: str = "fixed") -> Trainer:
+def armt_trainer(
+    armt: ARMTModel,
+    optim: OptimConfig,
+    trainer: TrainerConfig,
+    stages: list[Stage],
+    num_facts: int | tuple[int, int] = 1,
+    lm_weight: float = 1.0,
+    freeze_base: bool = False,
+    seed: int = 0,
+    boundary_fraction: float = 0.0,
+    far_fraction: float = 0.0,
+    follow_ups: bool = False,
+    shared_word_fraction: float = 0.0,
+    filler_split: str = TRAIN_FILLER_SPLIT,
+    split_fraction: float = 0.0,
+    segmentation: str = "fixed",
+) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
     params, and the base weights unless `freeze_base`), the samples cut by `segmentation` ("fixed" or
     "sentences", as `ARMTModel.segmentation`)."""
     tokenizer = load_default_tokenizer()
     if tokenizer.get_vocab_size() > armt.config.vocab_size:
-        raise ValueError(f"the training text's tokenizer has {tokenizer.get_vocab_size()} ids but the model's "
-                         f"vocabulary only {armt.config.vocab_size}: train-armt needs a base model with the "
-                         "built-in tokenizer's vocabulary")
+        raise ValueError(
+            f"the training text's tokenizer has {tokenizer.get_vocab_size()} ids but the model's "
+            f"vocabulary only {armt.config.vocab_size}: train-armt needs a base model with the "
+            "built-in tokenizer's vocabulary"
+        )
     segmenter = make_segmenter(segmentation, tokenizer)
     s = armt.armt.segment_size
     per_step = stage_per_step(stages)
@@ -226,9 +285,21 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, st
 
     def batch_fn(step: int) -> dict[str, np.ndarray]:
         stage = per_step[step]
-        return haystack_batch(train_seed(seed * 1_000_000 + step), stage.batch_size, stage.tokens, tokenizer, s,
-                              num_facts, boundary_fraction, far_fraction, follow_ups, shared_word_fraction,
-                              filler_split, split_fraction, segmenter)
+        return haystack_batch(
+            train_seed(seed * 1_000_000 + step),
+            stage.batch_size,
+            stage.tokens,
+            tokenizer,
+            s,
+            num_facts,
+            boundary_fraction,
+            far_fraction,
+            follow_ups,
+            shared_word_fraction,
+            filler_split,
+            split_fraction,
+            segmenter,
+        )
 
     def loss_fn(params, frozen, batch):
         full = (frozen, params) if freeze_base else params
@@ -237,61 +308,115 @@ def armt_trainer(armt: ARMTModel, optim: OptimConfig, trainer: TrainerConfig, st
         return retrieval_loss(logits, batch, lm_weight)
 
     params, frozen = (memory, base) if freeze_base else ((base, memory), None)
-    return Trainer(loss_fn, params, make_optimizer(optim), batch_fn, trainer, frozen=frozen,
-                   count_tokens=lambda b: int(b["seg_n"].sum()))
+    return Trainer(
+        loss_fn,
+        params,
+        make_optimizer(optim),
+        batch_fn,
+        trainer,
+        frozen=frozen,
+        count_tokens=lambda b: int(b["seg_n"].sum()),
+    )
 
 
 # --- CLI: train-armt ------------------------------------------------------------------------------
 def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `jaxlongctx train-armt`."""
     start = parser.add_mutually_exclusive_group(required=True)
-    start.add_argument("--base", help="base model checkpoint (jaxlongctx or HF directory) to add a fresh memory to")
-    start.add_argument("--init", help="ARMT checkpoint to fine-tune further (its segment and memory sizes are kept)")
-    parser.add_argument("--out", required=True, help="run directory (checkpoints, loss curve, summary.json); "
-                                                     "an existing run there is resumed")
+    start.add_argument(
+        "--base", help="base model checkpoint (jaxlongctx or HF directory) to add a fresh memory to"
+    )
+    start.add_argument(
+        "--init", help="ARMT checkpoint to fine-tune further (its segment and memory sizes are kept)"
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="run directory (checkpoints, loss curve, summary.json); an existing run there is resumed",
+    )
     parser.add_argument("--save", help="write the fine-tuned ARMT model here")
     parser.add_argument("--save-dtype", choices=["bf16", "fp32"], default="bf16")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --save checkpoint of ours")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --save checkpoint of ours"
+    )
     parser.add_argument("--segment-size", type=int, help="with --base (default 128)")
     parser.add_argument("--mem-tokens", type=int, help="with --base (default 16)")
     parser.add_argument("--d-mem", type=int, help="with --base (default 32)")
-    parser.add_argument("--curriculum", default=DEFAULT_CURRICULUM,
-                        help="stages tokens:steps:batch_size, comma-separated (default %(default)s: one segment "
-                             "with short filler, one full segment, then 2 and 4 segments of 128)")
-    parser.add_argument("--num-facts", default="1",
-                        help="facts per sample, N or a range LO-HI drawn per sample (default 1); the final "
-                             "accuracy check uses the largest count")
-    parser.add_argument("--boundary-fraction", type=float, default=0.0,
-                        help="share of samples whose prompt is whole segments, so that in training the answer "
-                             "starts a new segment; decoding keeps the prompt's last segment open, so it meets "
-                             "this only when an answer outgrows that window (default 0)")
-    parser.add_argument("--far-fraction", type=float, default=0.0,
-                        help="share of samples whose asked fact lies in the first fifth of the filler, so the memory "
-                             "must keep it across almost the whole sample (default 0: uniform depth)")
-    parser.add_argument("--shared-word-fraction", type=float, default=0.0,
-                        help="share of near-miss samples, whose other facts' subjects all share the asked subject's "
-                             "colour or object (\"blue box\" among \"blue jar\", \"red box\"); default 0: random "
-                             "subjects")
-    parser.add_argument("--split-fraction", type=float, default=0.0,
-                        help="share of samples shifted so that a segment boundary separates the asked fact's "
-                             "subject from its code's last digit (default 0: wherever the fact falls)")
-    parser.add_argument("--segmentation", choices=SEGMENTATIONS,
-                        help="cut the training samples on the fixed grid of segment-size tokens or after sentence "
-                             "ends, as ARMTModel.segmentation = 'sentences' cuts prompts; the saved model keeps it "
-                             "(default: as the --init checkpoint was saved; with --base the fixed grid)")
-    parser.add_argument("--follow-ups", action="store_true",
-                        help="after the answer, ask about each other fact of the sample too (as many as fit), every "
-                             "answer supervised: more signal per sample (evaluation always asks one question)")
-    parser.add_argument("--filler-split", choices=SPLITS, default=TRAIN_FILLER_SPLIT,
-                        help=f"corpus split of the training samples' filler (default {TRAIN_FILLER_SPLIT}); the "
-                             f"accuracy check (--eval-lengths) always uses the {FILLER_SPLIT} split, the bench's filler")
-    parser.add_argument("--lm-weight", type=float, default=1.0,
-                        help="weight of the next-token loss over the whole sample, added to the answer loss")
+    parser.add_argument(
+        "--curriculum",
+        default=DEFAULT_CURRICULUM,
+        help="stages tokens:steps:batch_size, comma-separated (default %(default)s: one segment "
+        "with short filler, one full segment, then 2 and 4 segments of 128)",
+    )
+    parser.add_argument(
+        "--num-facts",
+        default="1",
+        help="facts per sample, N or a range LO-HI drawn per sample (default 1); the final "
+        "accuracy check uses the largest count",
+    )
+    parser.add_argument(
+        "--boundary-fraction",
+        type=float,
+        default=0.0,
+        help="share of samples whose prompt is whole segments, so that in training the answer "
+        "starts a new segment; decoding keeps the prompt's last segment open, so it meets "
+        "this only when an answer outgrows that window (default 0)",
+    )
+    parser.add_argument(
+        "--far-fraction",
+        type=float,
+        default=0.0,
+        help="share of samples whose asked fact lies in the first fifth of the filler, so the memory "
+        "must keep it across almost the whole sample (default 0: uniform depth)",
+    )
+    parser.add_argument(
+        "--shared-word-fraction",
+        type=float,
+        default=0.0,
+        help="share of near-miss samples, whose other facts' subjects all share the asked subject's "
+        'colour or object ("blue box" among "blue jar", "red box"); default 0: random '
+        "subjects",
+    )
+    parser.add_argument(
+        "--split-fraction",
+        type=float,
+        default=0.0,
+        help="share of samples shifted so that a segment boundary separates the asked fact's "
+        "subject from its code's last digit (default 0: wherever the fact falls)",
+    )
+    parser.add_argument(
+        "--segmentation",
+        choices=SEGMENTATIONS,
+        help="cut the training samples on the fixed grid of segment-size tokens or after sentence "
+        "ends, as ARMTModel.segmentation = 'sentences' cuts prompts; the saved model keeps it "
+        "(default: as the --init checkpoint was saved; with --base the fixed grid)",
+    )
+    parser.add_argument(
+        "--follow-ups",
+        action="store_true",
+        help="after the answer, ask about each other fact of the sample too (as many as fit), every "
+        "answer supervised: more signal per sample (evaluation always asks one question)",
+    )
+    parser.add_argument(
+        "--filler-split",
+        choices=SPLITS,
+        default=TRAIN_FILLER_SPLIT,
+        help=f"corpus split of the training samples' filler (default {TRAIN_FILLER_SPLIT}); the "
+        f"accuracy check (--eval-lengths) always uses the {FILLER_SPLIT} split, the bench's filler",
+    )
+    parser.add_argument(
+        "--lm-weight",
+        type=float,
+        default=1.0,
+        help="weight of the next-token loss over the whole sample, added to the answer loss",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--freeze-base", action="store_true", help="train only the memory parameters")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ckpt-every", type=int, default=25)
-    parser.add_argument("--eval-lengths", default="", help="context lengths for a final accuracy check, e.g. 512,2048")
+    parser.add_argument(
+        "--eval-lengths", default="", help="context lengths for a final accuracy check, e.g. 512,2048"
+    )
     parser.add_argument("--eval-samples", type=int, default=8)
     parser.add_argument("--no-progress", action="store_true")
 
@@ -318,9 +443,22 @@ def parse_fact_range(text: str) -> tuple[int, int]:
 
 
 # Arguments that shape the training run: a resume that changes one of them is refused.
-_RUN_SETTINGS = ("base", "init", "curriculum", "num_facts", "boundary_fraction", "far_fraction",
-                 "shared_word_fraction", "split_fraction", "follow_ups", "filler_split", "lm_weight", "lr",
-                 "freeze_base", "seed")
+_RUN_SETTINGS = (
+    "base",
+    "init",
+    "curriculum",
+    "num_facts",
+    "boundary_fraction",
+    "far_fraction",
+    "shared_word_fraction",
+    "split_fraction",
+    "follow_ups",
+    "filler_split",
+    "lm_weight",
+    "lr",
+    "freeze_base",
+    "seed",
+)
 
 
 def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
@@ -337,7 +475,9 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     if args.init:
         given = [name for name, value in sizes.items() if value is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} only apply with --base; --init keeps its checkpoint's sizes")
+            raise ValueError(
+                f"{', '.join(given)} only apply with --base; --init keeps its checkpoint's sizes"
+            )
         armt = load(args.init, "fp32")
         if not isinstance(armt, ARMTModel):
             raise ValueError(f"--init {args.init} holds a {type(armt).__name__}, not an ARMT model")
@@ -351,11 +491,30 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     warmup = max(1, steps // 50) if steps > 1 else 0
     optim = OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=steps, weight_decay=0.0)
     hyperparams = {name: getattr(args, name) for name in _RUN_SETTINGS}
-    tcfg = TrainerConfig(steps=steps, out_dir=out, ckpt_every=args.ckpt_every, progress=not args.no_progress,
-                         hyperparams={**hyperparams, "armt_config": cfg.to_dict(), "segmentation": segmentation})
-    trainer = armt_trainer(armt, optim, tcfg, stages, facts, args.lm_weight, args.freeze_base, args.seed,
-                           args.boundary_fraction, args.far_fraction, args.follow_ups, args.shared_word_fraction,
-                           args.filler_split, args.split_fraction, segmentation)
+    tcfg = TrainerConfig(
+        steps=steps,
+        out_dir=out,
+        ckpt_every=args.ckpt_every,
+        progress=not args.no_progress,
+        hyperparams={**hyperparams, "armt_config": cfg.to_dict(), "segmentation": segmentation},
+    )
+    trainer = armt_trainer(
+        armt,
+        optim,
+        tcfg,
+        stages,
+        facts,
+        args.lm_weight,
+        args.freeze_base,
+        args.seed,
+        args.boundary_fraction,
+        args.far_fraction,
+        args.follow_ups,
+        args.shared_word_fraction,
+        args.filler_split,
+        args.split_fraction,
+        segmentation,
+    )
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
     trainer.run()
@@ -365,24 +524,45 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     load_into(armt.memory, memory)
     armt.segmentation = segmentation  # the accuracy check cuts prompts as training did
     summary: dict[str, Any] = {
-        "init": args.init, "base": args.base, "armt_config": cfg.to_dict(), "optim": dataclasses.asdict(optim),
+        "init": args.init,
+        "base": args.base,
+        "armt_config": cfg.to_dict(),
+        "optim": dataclasses.asdict(optim),
         "steps": steps,
-        "curriculum": [dataclasses.asdict(stage) for stage in stages], "lm_weight": args.lm_weight,
-        "boundary_fraction": args.boundary_fraction, "far_fraction": args.far_fraction,
-        "shared_word_fraction": args.shared_word_fraction, "filler_split": args.filler_split,
-        "split_fraction": args.split_fraction, "segmentation": segmentation,
-        "freeze_base": args.freeze_base, "num_facts": list(facts), "follow_ups": args.follow_ups, "resumed": resumed,
-        "train_wall_s": trainer.history["wall_s"][-1], "this_session_wall_s": time.perf_counter() - t0,
+        "curriculum": [dataclasses.asdict(stage) for stage in stages],
+        "lm_weight": args.lm_weight,
+        "boundary_fraction": args.boundary_fraction,
+        "far_fraction": args.far_fraction,
+        "shared_word_fraction": args.shared_word_fraction,
+        "filler_split": args.filler_split,
+        "split_fraction": args.split_fraction,
+        "segmentation": segmentation,
+        "freeze_base": args.freeze_base,
+        "num_facts": list(facts),
+        "follow_ups": args.follow_ups,
+        "resumed": resumed,
+        "train_wall_s": trainer.history["wall_s"][-1],
+        "this_session_wall_s": time.perf_counter() - t0,
         "final_loss": trainer.history["loss"][-1],
-        "accuracy": [retrieval_accuracy(armt.generation_logits, n, args.eval_samples, num_facts=facts[1],
-                                        segment_size=cfg.segment_size)
-                     for n in _int_list(args.eval_lengths, "--eval-lengths")],
+        "accuracy": [
+            retrieval_accuracy(
+                armt.generation_logits,
+                n,
+                args.eval_samples,
+                num_facts=facts[1],
+                segment_size=cfg.segment_size,
+            )
+            for n in _int_list(args.eval_lengths, "--eval-lengths")
+        ],
     }
     if args.save:
         dtype = jnp.bfloat16 if args.save_dtype == "bf16" else jnp.float32
         cast = jax.tree.map(lambda x: x.astype(dtype), (base_state, memory))
-        saved = (load(args.init, args.save_dtype) if args.init
-                 else load(args.base, args.save_dtype).with_armt(cfg, jax.random.key(args.seed)))
+        saved = (
+            load(args.init, args.save_dtype)
+            if args.init
+            else load(args.base, args.save_dtype).with_armt(cfg, jax.random.key(args.seed))
+        )
         load_into(saved.base.module, cast[0])
         load_into(saved.memory, cast[1])
         saved.segmentation = segmentation

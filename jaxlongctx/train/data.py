@@ -23,9 +23,9 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, context: int) -> tuple[np.n
     mask = np.zeros((starts.size, context + 1), bool)
     ids[:, 0], mask[:, 0] = BOS_ID, True
     for row, s in enumerate(starts):
-        chunk = tokens[s:s + context]
-        ids[row, 1:1 + chunk.size] = chunk
-        mask[row, 1:1 + chunk.size] = True
+        chunk = tokens[s : s + context]
+        ids[row, 1 : 1 + chunk.size] = chunk
+        mask[row, 1 : 1 + chunk.size] = True
     return ids, mask
 
 
@@ -35,7 +35,9 @@ class TokenWindows:
     def __init__(self, tokens: np.ndarray, batch_size: int, context: int, seed: int = 0):
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"tokens must be a 1-D integer array, got shape {tokens.shape} dtype {tokens.dtype}")
+            raise ValueError(
+                f"tokens must be a 1-D integer array, got shape {tokens.shape} dtype {tokens.dtype}"
+            )
         if batch_size < 1 or context < 1:
             raise ValueError(f"batch_size and context must be >= 1, got {batch_size} and {context}")
         if tokens.size < context:

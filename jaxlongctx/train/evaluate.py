@@ -7,7 +7,8 @@ import argparse
 import json
 import math
 import statistics
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,9 @@ from jaxlongctx.train.data import eval_windows
 KVTransform = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray], tuple[jnp.ndarray, jnp.ndarray]]
 
 
-def forward_with_kv_transform(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray,
-                              kv_transform: KVTransform | None = None) -> jnp.ndarray:
+def forward_with_kv_transform(
+    model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, kv_transform: KVTransform | None = None
+) -> jnp.ndarray:
     """Logits `[B, T, V]` of the full causal forward, with `kv_transform` applied to post-RoPE k/v."""
     cos, sin = model.rope(positions_from_mask(mask))
 
@@ -44,8 +46,9 @@ def forward_with_kv_transform(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray,
     return model.head(h)
 
 
-def token_nll(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray,
-              kv_transform: KVTransform | None = None) -> tuple[jnp.ndarray, jnp.ndarray]:
+def token_nll(
+    model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, kv_transform: KVTransform | None = None
+) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Summed next-token NLL and number of predicted tokens for windows ids/mask `[B, T+1]`."""
     logits = forward_with_kv_transform(model, ids[:, :-1], mask[:, :-1], kv_transform)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
@@ -53,22 +56,29 @@ def token_nll(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray,
     return jnp.sum(nll * weight), jnp.sum(weight)
 
 
-def perplexity(module: Llama, tokens: np.ndarray, context: int, batch_size: int = 8,
-               kv_transform: KVTransform | None = None) -> dict[str, float]:
+def perplexity(
+    module: Llama,
+    tokens: np.ndarray,
+    context: int,
+    batch_size: int = 8,
+    kv_transform: KVTransform | None = None,
+) -> dict[str, float]:
     """Mean NLL (nats/token) and perplexity over every token of `tokens`, in windows of `context`."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     tokens = np.asarray(tokens)
     if tokens.size and int(tokens.max()) >= module.config.vocab_size:
-        raise ValueError(f"the text holds token id {int(tokens.max())} but the model's vocabulary has "
-                         f"{module.config.vocab_size} ids: the tokenizer does not belong to this model")
+        raise ValueError(
+            f"the text holds token id {int(tokens.max())} but the model's vocabulary has "
+            f"{module.config.vocab_size} ids: the tokenizer does not belong to this model"
+        )
     windows = eval_windows(tokens, context)
     graphdef, params = nnx.split(module)
     step = jax.jit(lambda p, ids, mask: token_nll(nnx.merge(graphdef, p), ids, mask, kv_transform))
     total, count = 0.0, 0.0
     n = windows["ids"].shape[0]
     for start in range(0, n, batch_size):
-        ids, mask = windows["ids"][start:start + batch_size], windows["mask"][start:start + batch_size]
+        ids, mask = windows["ids"][start : start + batch_size], windows["mask"][start : start + batch_size]
         if ids.shape[0] < batch_size:  # pad the last batch so there is one compiled shape
             pad = batch_size - ids.shape[0]
             ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)])
@@ -95,12 +105,20 @@ def answer_inputs(ids: np.ndarray, answer_ids: np.ndarray) -> np.ndarray:
     return np.concatenate([ids, answer_ids[:, :-1]], axis=1).astype(np.int32)
 
 
-def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: int, samples: int,
-                       batch_size: int = 1, num_facts: int = 4, segment_size: int | None = None,
-                       shared_word: bool = False, filler_split: str = FILLER_SPLIT,
-                       split_facts: bool = False, target_depth: float | None = None, progress: bool = False,
-                       segment_starts: Callable[[np.ndarray, np.ndarray], list[np.ndarray]] | None = None
-                       ) -> dict[str, float | None]:
+def retrieval_accuracy(
+    model: Callable[[np.ndarray, int], jnp.ndarray],
+    length: int,
+    samples: int,
+    batch_size: int = 1,
+    num_facts: int = 4,
+    segment_size: int | None = None,
+    shared_word: bool = False,
+    filler_split: str = FILLER_SPLIT,
+    split_facts: bool = False,
+    target_depth: float | None = None,
+    progress: bool = False,
+    segment_starts: Callable[[np.ndarray, np.ndarray], list[np.ndarray]] | None = None,
+) -> dict[str, float | None]:
     """Greedy exact-match and per-digit accuracy on held-out haystack prompts of `length` tokens
     (teacher-forced argmax: all digits right under teacher forcing == greedy decode right).
 
@@ -134,17 +152,26 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         raise ValueError("split_facts needs segment_size (the segments whose boundary splits the facts)")
     tokenizer = load_default_tokenizer()
     if segment_starts is None and segment_size is not None:
+
         def segment_starts(ids, lengths):  # the fixed grid
             return grid_starts(lengths, segment_size)
+
     hits, asked, shared, other_start, in_window, code_split = [], [], [], [], [], []
     bar = tqdm(total=samples, desc=f"retrieval at {length:,} tokens", unit="sample", disable=not progress)
     for i in range(0, samples, batch_size):
         b = min(batch_size, samples - i)
-        raw = held_out_batch(range(i, i + b), length, tokenizer, num_facts=num_facts, shared_word=shared_word,
-                             filler_split=filler_split, split_segment=segment_size if split_facts else None,
-                             target_depth=target_depth)
+        raw = held_out_batch(
+            range(i, i + b),
+            length,
+            tokenizer,
+            num_facts=num_facts,
+            shared_word=shared_word,
+            filler_split=filler_split,
+            split_segment=segment_size if split_facts else None,
+            target_depth=target_depth,
+        )
         logits = model(answer_inputs(raw["ids"], raw["answer_ids"]), length)  # B T V
-        pred = np.asarray(jnp.argmax(logits[:, length - 1:length - 1 + CODE_DIGITS], axis=-1))
+        pred = np.asarray(jnp.argmax(logits[:, length - 1 : length - 1 + CODE_DIGITS], axis=-1))
         hits.append(pred == raw["answer_ids"])
         asked.append(raw["fact_positions"][np.arange(b), raw["target_fact"]])
         shared.append(raw["shares_word"])
@@ -158,14 +185,27 @@ def retrieval_accuracy(model: Callable[[np.ndarray, int], jnp.ndarray], length: 
         bar.update(b)
     bar.close()
     hit, fact_at, shared = np.concatenate(hits), np.concatenate(asked), np.concatenate(shared)  # N D, N, N
-    out = {"length": length, "num_facts": num_facts, "shared_word_haystack": shared_word, "split_facts": split_facts,
-           "target_depth": target_depth, "asked_depth": float(fact_at.mean() / length), **_scores(hit),
-           "by_depth": _by_depth(hit, fact_at / length), "wrong_digit_rate": (1.0 - hit.mean(axis=0)).tolist(),
-           "first_digit_other_fact_rate": float(np.concatenate(other_start).mean())}
+    out = {
+        "length": length,
+        "num_facts": num_facts,
+        "shared_word_haystack": shared_word,
+        "split_facts": split_facts,
+        "target_depth": target_depth,
+        "asked_depth": float(fact_at.mean() / length),
+        **_scores(hit),
+        "by_depth": _by_depth(hit, fact_at / length),
+        "wrong_digit_rate": (1.0 - hit.mean(axis=0)).tolist(),
+        "first_digit_other_fact_rate": float(np.concatenate(other_start).mean()),
+    }
     splits = [("shared_word", shared), ("distinct_words", ~shared)]
     if segment_starts is not None:
         where, split = np.concatenate(in_window), np.concatenate(code_split)  # N: in the decoding window, N
-        splits += [("in_segment", where), ("from_memory", ~where), ("code_split", split), ("code_whole", ~split)]
+        splits += [
+            ("in_segment", where),
+            ("from_memory", ~where),
+            ("code_split", split),
+            ("code_whole", ~split),
+        ]
     for name, rows in splits:
         out.update({f"{name}_{key}": value for key, value in _scores(hit[rows]).items()})
     return out
@@ -177,8 +217,12 @@ def _scores(hit: np.ndarray) -> dict[str, Any]:
     if not len(hit):
         return {"samples": 0, "exact_match": None, "exact_match_ci95": None, "digit_accuracy": None}
     right = int(hit.all(axis=1).sum())
-    return {"samples": len(hit), "exact_match": right / len(hit),
-            "exact_match_ci95": exact_match_interval(right, len(hit)), "digit_accuracy": float(hit.mean())}
+    return {
+        "samples": len(hit),
+        "exact_match": right / len(hit),
+        "exact_match_ci95": exact_match_interval(right, len(hit)),
+        "digit_accuracy": float(hit.mean()),
+    }
 
 
 def exact_match_interval(right: int, samples: int, confidence: float = 0.95) -> list[float]:
@@ -205,8 +249,12 @@ def add_eval_ppl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", choices=["train", "validation", "calibration"], default="validation")
     parser.add_argument("--context", type=int, default=512, help="window length in tokens (default 512)")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the split")
+    parser.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the split"
+    )
     parser.add_argument("--baseline", action="store_true", help="also report the unigram baseline")
 
 
@@ -218,16 +266,24 @@ def run_eval_ppl(args: argparse.Namespace, kv_transform: KVTransform | None = No
         raise ValueError(f"--context and --batch-size must be >= 1, got {args.context} and {args.batch_size}")
     model = load(args.ckpt, args.dtype)
     if not hasattr(model, "module"):
-        raise ValueError(f"{args.ckpt} holds a {type(model).__name__}; eval-ppl measures full-attention models "
-                         "(give the base model, or measure ARMT with the retrieval bench)")
+        raise ValueError(
+            f"{args.ckpt} holds a {type(model).__name__}; eval-ppl measures full-attention models "
+            "(give the base model, or measure ARMT with the retrieval bench)"
+        )
     tokens = encode_corpus(args.split, model.tokenizer)
     if args.max_tokens is not None:
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-        tokens = tokens[:args.max_tokens]
-    result: dict[str, Any] = {"ckpt": str(args.ckpt), "split": args.split, "context": args.context,
-                              **perplexity(model.module, tokens, args.context, args.batch_size, kv_transform)}
+        tokens = tokens[: args.max_tokens]
+    result: dict[str, Any] = {
+        "ckpt": str(args.ckpt),
+        "split": args.split,
+        "context": args.context,
+        **perplexity(model.module, tokens, args.context, args.batch_size, kv_transform),
+    }
     if args.baseline:
-        result["unigram"] = unigram_baseline(encode_corpus("train", model.tokenizer), tokens, model.config.vocab_size)
+        result["unigram"] = unigram_baseline(
+            encode_corpus("train", model.tokenizer), tokens, model.config.vocab_size
+        )
     print(json.dumps(result))
     return result

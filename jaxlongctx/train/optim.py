@@ -29,7 +29,9 @@ class OptimConfig:
         if self.total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
         if not 0 <= self.warmup_steps <= self.total_steps:
-            raise ValueError(f"warmup_steps must be in [0, total_steps={self.total_steps}], got {self.warmup_steps}")
+            raise ValueError(
+                f"warmup_steps must be in [0, total_steps={self.total_steps}], got {self.warmup_steps}"
+            )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.clip_norm <= 0:
@@ -39,8 +41,12 @@ class OptimConfig:
 def learning_rate(config: OptimConfig) -> optax.Schedule:
     """Linear warmup from 0 to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=config.lr, warmup_steps=config.warmup_steps,
-        decay_steps=config.total_steps, end_value=config.lr * config.min_lr_ratio)
+        init_value=0.0,
+        peak_value=config.lr,
+        warmup_steps=config.warmup_steps,
+        decay_steps=config.total_steps,
+        end_value=config.lr * config.min_lr_ratio,
+    )
 
 
 def _decay_mask(params: Any) -> Any:
@@ -52,6 +58,11 @@ def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
     """Clip by global norm, then AdamW on the warmup-cosine schedule."""
     return optax.chain(
         optax.clip_by_global_norm(config.clip_norm),
-        optax.adamw(learning_rate(config), b1=config.b1, b2=config.b2,
-                    weight_decay=config.weight_decay, mask=_decay_mask),
+        optax.adamw(
+            learning_rate(config),
+            b1=config.b1,
+            b2=config.b2,
+            weight_decay=config.weight_decay,
+            mask=_decay_mask,
+        ),
     )

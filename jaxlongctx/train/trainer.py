@@ -11,8 +11,9 @@ import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,9 +79,18 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 class Trainer:
     """Minimise `loss_fn(params, frozen, batch)` over `batch_fn(step)` with `optimizer`."""
 
-    def __init__(self, loss_fn: LossFn, params: Any, optimizer: optax.GradientTransformation,
-                 batch_fn: BatchFn, config: TrainerConfig, *, frozen: Any = None, eval_fn: EvalFn | None = None,
-                 count_tokens: TokenCount | None = None):
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        params: Any,
+        optimizer: optax.GradientTransformation,
+        batch_fn: BatchFn,
+        config: TrainerConfig,
+        *,
+        frozen: Any = None,
+        eval_fn: EvalFn | None = None,
+        count_tokens: TokenCount | None = None,
+    ):
         self.config, self.batch_fn, self.eval_fn, self.frozen = config, batch_fn, eval_fn, frozen
         self.count_tokens = count_tokens
         self.params = params
@@ -107,11 +117,16 @@ class Trainer:
         with atomic_directory(path, overwrite=True, kind="training-state") as tmp:
             with ocp.StandardCheckpointer() as ckptr:
                 ckptr.save(tmp / "state", self._state_tree())
-            meta = {"step": self.step, "total_steps": self.config.steps, "wall_s": self._wall,
-                    "hyperparams": self.config.hyperparams, "history": self.history}
+            meta = {
+                "step": self.step,
+                "total_steps": self.config.steps,
+                "wall_s": self._wall,
+                "hyperparams": self.config.hyperparams,
+                "history": self.history,
+            }
             (tmp / "trainer.json").write_text(json.dumps(meta) + "\n")
         done = sorted(p for p in root.glob("step_*") if (p / "trainer.json").is_file())
-        for old in done[:-self.config.keep_checkpoints]:
+        for old in done[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return path
 
@@ -124,17 +139,25 @@ class Trainer:
             with ocp.StandardCheckpointer() as ckptr:
                 state = ckptr.restore(path / "state", on_device(target))
         except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: cannot restore training state ({type(e).__name__}: {e})") from None
+            raise CheckpointError(
+                f"{path}: cannot restore training state ({type(e).__name__}: {e})"
+            ) from None
         if meta["total_steps"] != self.config.steps:
-            raise CheckpointError(f"{path}: written by a run of {meta['total_steps']} steps; resuming it with "
-                                  f"{self.config.steps} steps would change the learning-rate schedule")
+            raise CheckpointError(
+                f"{path}: written by a run of {meta['total_steps']} steps; resuming it with "
+                f"{self.config.steps} steps would change the learning-rate schedule"
+            )
         saved = json.loads(json.dumps(meta.get("hyperparams", {})))
-        now = json.loads(json.dumps(self.config.hyperparams))  # the JSON round trip the saved copy went through
+        now = json.loads(
+            json.dumps(self.config.hyperparams)
+        )  # the JSON round trip the saved copy went through
         changed = sorted(k for k in saved.keys() | now.keys() if k in saved and saved.get(k) != now.get(k))
         if changed:
             diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
-            raise CheckpointError(f"{path}: resuming with changed settings ({diffs}); rerun with the saved "
-                                  f"settings, or train into a new --out")
+            raise CheckpointError(
+                f"{path}: resuming with changed settings ({diffs}); rerun with the saved "
+                f"settings, or train into a new --out"
+            )
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.step, self._wall, self.history = int(meta["step"]), float(meta["wall_s"]), meta["history"]
 
@@ -145,8 +168,10 @@ class Trainer:
         if out.exists() and not out.is_dir():
             raise OutputError(f"{out}: exists and is not a directory")
         if out.is_dir() and any(out.iterdir()) and not is_ours(out) and latest_checkpoint(out) is None:
-            raise OutputError(f"{out}: a non-empty directory that holds no jaxlongctx training run; "
-                              "give a new or empty --out")
+            raise OutputError(
+                f"{out}: a non-empty directory that holds no jaxlongctx training run; "
+                "give a new or empty --out"
+            )
         try:
             out.mkdir(parents=True, exist_ok=True)
             if not (out / MARKER).exists():
@@ -178,12 +203,16 @@ class Trainer:
         cfg = self.config
         self.claim_out_dir()
         end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress, unit="step", dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.steps, initial=self.step, disable=not cfg.progress, unit="step", dynamic_ncols=True
+        )
         while self.step < end:
             host_batch = self.batch_fn(self.step)
             batch = {k: jnp.asarray(v) for k, v in host_batch.items()}
             t0 = time.perf_counter()
-            self.params, self.opt_state, loss, gnorm = self._train_step(self.params, self.opt_state, self.frozen, batch)
+            self.params, self.opt_state, loss, gnorm = self._train_step(
+                self.params, self.opt_state, self.frozen, batch
+            )
             loss = float(loss)
             dt = time.perf_counter() - t0
             self._wall += dt
