@@ -73,8 +73,9 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> An
     if "armt" in meta:
         from jaxlongctx.armt import ARMTModel
 
-        armt = ARMTModel.load(path, target, mesh)
-        armt.tokenizer = armt.base.tokenizer = load_tokenizer(path)
+        armt = ARMTModel.load(path, target, mesh, load_base=load)
+        # a memory-only checkpoint has no tokenizer.json: its base's tokenizer stays
+        armt.tokenizer = armt.base.tokenizer = load_tokenizer(path) or armt.tokenizer
         armt.segmentation = meta.get("segmentation", "fixed")  # as saved (checkpoints before it: the grid)
         return armt
     if meta:

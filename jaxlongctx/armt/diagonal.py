@@ -19,6 +19,7 @@ cells in sequential order.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -28,7 +29,7 @@ from flax import nnx
 from jaxlongctx.armt.cell import cell, embed_segment
 from jaxlongctx.armt.projections import DiagonalProjections, grouped_products, grouped_weights
 from jaxlongctx.armt.segments import Segments, chunk_sizes
-from jaxlongctx.armt.sequential import TRACES, MemoryState, sequential_forward, zero_state
+from jaxlongctx.armt.sequential import TRACES, MemoryState, remat_cell, sequential_forward, zero_state
 from jaxlongctx.parallel import batch_sharding
 
 
@@ -158,6 +159,7 @@ def _step(
         h = h.at[0].set(embed_segment(base, memory, ids))
         n, first = n.at[0].set(seg_n), first.at[0].set(seg_first)
 
+    @functools.partial(remat_cell, model)
     def one(ls, lm, hh, aa, zz, nn, ff):
         return cell(armt, model.inv_freq, nnx.merge(graphdef, ls), lm, hh, aa, zz, nn, ff)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -9,14 +11,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
 from jaxlongctx.armt import stream
+from jaxlongctx.armt.base_reference import BaseReference, load_referenced_base
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.diagonal import CPUExecution, diagonal_forward
 from jaxlongctx.armt.generation import generate_ids, generation_logits
+from jaxlongctx.armt.memory_checkpoint import restore_memory, write_memory
 from jaxlongctx.armt.params import MemoryParams
 from jaxlongctx.armt.projections import DiagonalProjections, as_projections
 from jaxlongctx.armt.segments import Segments, compact, grid_starts, segment, segment_at, token_rows
@@ -25,9 +28,7 @@ from jaxlongctx.armt.sequential import MemoryState, sequential_forward
 from jaxlongctx.checkpoint import (
     CheckpointError,
     atomic_directory,
-    check_stored_tensors,
     load_module,
-    on_device,
     read_metadata,
     save_params,
     write_metadata,
@@ -37,11 +38,10 @@ from jaxlongctx.kvcache.dense import dense_cache_bytes
 from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.model import Model
 from jaxlongctx.model.rope import inverse_frequencies
-from jaxlongctx.parallel import fit_mesh, memory_shardings, param_shardings, shard_memory
+from jaxlongctx.parallel import param_shardings, shard_memory
 from jaxlongctx.validation import check_ids, check_mask, check_positive_int
 
 SCHEDULES = stream.SCHEDULES
-_MEMORY_DIR = "armt_memory"
 
 
 class ARMTModel:
@@ -64,6 +64,8 @@ class ARMTModel:
         self.cpu_execution = CPUExecution()  # how the diagonal schedule runs on CPU (same results)
         self._projections = DiagonalProjections()
         self._segmenter: SentenceSegmenter | None = None
+        self.base_reference: BaseReference | None = None  # set when loaded from a memory-only checkpoint
+        self.remat = False  # recompute each cell's activations in the backward pass (training memory)
 
     @classmethod
     def wrap(cls, model: Model, armt: ARMTConfig, key: jax.Array) -> ARMTModel:
@@ -257,63 +259,67 @@ class ARMTModel:
         return dense_cache_bytes(self.config, num_tokens, batch, itemsize=2)
 
     # --- checkpoints ----------------------------------------------------------------------------
-    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
-        """Save base weights (our checkpoint layout, loadable as a plain model) plus the memory
-        parameters, the ARMT config, the segmentation (loading restores it) and the tokenizer (if
-        any), atomically."""
-        base = nnx.to_pure_dict(self.base.params)
+    def save(
+        self,
+        path: str | Path,
+        *,
+        overwrite: bool = False,
+        base_reference: BaseReference | None = None,
+        training_record: dict[str, Any] | None = None,
+    ) -> Path:
+        """Save the memory parameters, the ARMT config and the segmentation (loading restores it)
+        atomically, with the base weights (our checkpoint layout, loadable as a plain model) and the
+        tokenizer (if any); or, given `base_reference` (the base this model's weights are, see
+        `jaxlongctx.armt.base_reference`), a memory-only checkpoint that names its base instead.
+        `training_record` (how the model was trained) goes to training.json."""
+        extra = {
+            "armt": self.armt.to_dict(),
+            "segmentation": self.segmentation,
+            "memory_dtype": str(self.memory.memory[...].dtype),
+        }
         with atomic_directory(path, overwrite=overwrite) as tmp:
-            save_params(tmp, base)
-            with ocp.StandardCheckpointer() as ckptr:
-                ckptr.save(tmp / _MEMORY_DIR, nnx.to_pure_dict(nnx.state(self.memory)))
-            write_metadata(
-                tmp,
-                self.config,
-                str(self.dtype),
-                {"armt": self.armt.to_dict(), "segmentation": self.segmentation},
-            )
+            write_memory(tmp, self.memory)
+            if training_record is not None:
+                (tmp / "training.json").write_text(json.dumps(training_record, indent=2) + "\n")
+            if base_reference is not None:
+                write_metadata(
+                    tmp, self.config, extra["memory_dtype"], {**extra, "base": base_reference.to_dict()}
+                )
+                return Path(path)
+            save_params(tmp, nnx.to_pure_dict(self.base.params))
+            write_metadata(tmp, self.config, str(self.dtype), extra)
             if self.tokenizer is not None:
                 self.tokenizer.save(str(tmp / "tokenizer.json"))
         return Path(path)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: jnp.dtype | None = None, mesh: Mesh | None = None) -> ARMTModel:
+    def load(
+        cls,
+        path: str | Path,
+        dtype: jnp.dtype | None = None,
+        mesh: Mesh | None = None,
+        load_base: Callable[..., Model] | None = None,
+    ) -> ARMTModel:
         """Load a checkpoint written by `save`, optionally casting the parameters to `dtype` and
-        restoring every tensor straight into its shard on `mesh`."""
+        restoring every tensor straight into its shard on `mesh`. A memory-only checkpoint loads its
+        base with `load_base(path, dtype, mesh=mesh)` (`jaxlongctx.load` passes itself) from where it
+        names it, after checking the base's fingerprint."""
         path = Path(path).absolute()
         meta = read_metadata(path)
         if "armt" not in meta:
             raise CheckpointError(f"{path}: not an ARMT checkpoint (no 'armt' entry in config.json)")
         config, armt = ModelConfig.from_dict(meta["config"]), ARMTConfig.from_dict(meta["armt"])
-        base = load_module(path, dtype, None if mesh is None else param_shardings(config, mesh))
-        mem_skeleton = nnx.eval_shape(
-            lambda: MemoryParams(
-                armt,
-                config.num_layers,
-                config.hidden_size,
-                1.0,
-                dtype=jnp.dtype(meta["dtype"]),
-                key=jax.random.key(0),
-            )
-        )
-        mem_graphdef, mem_state = nnx.split(mem_skeleton)
-        target = nnx.to_pure_dict(mem_state)
-        if mesh is not None:
-            target = {
-                name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-                for (name, x), sharding in zip(
-                    target.items(), memory_shardings(fit_mesh(mesh, config), target).values()
-                )
-            }
-        check_stored_tensors(path / _MEMORY_DIR, target)
-        try:
-            with ocp.StandardCheckpointer() as ckptr:
-                restored = ckptr.restore(path / _MEMORY_DIR, on_device(target))
-        except (FileNotFoundError, ValueError, KeyError) as e:
-            raise CheckpointError(
-                f"{path}: cannot restore ARMT memory parameters ({type(e).__name__}: {e})"
-            ) from None
-        if dtype is not None:
-            restored = {name: x.astype(dtype) for name, x in restored.items()}
-        nnx.replace_by_pure_dict(mem_state, restored)
-        return cls(base, armt, nnx.merge(mem_graphdef, mem_state))
+        memory_dtype = jnp.dtype(meta.get("memory_dtype", meta["dtype"]))
+        reference, tokenizer = None, None
+        if "base" in meta:
+            if load_base is None:
+                raise CheckpointError(f"{path}: a memory-only ARMT checkpoint; load it with jaxlongctx.load")
+            reference = BaseReference.from_dict(meta["base"])
+            base_model = load_referenced_base(path, reference, config, load_base, dtype, mesh)
+            base, tokenizer = base_model.module, base_model.tokenizer
+        else:
+            base = load_module(path, dtype, None if mesh is None else param_shardings(config, mesh))
+        memory = restore_memory(path, config, armt, memory_dtype, dtype, mesh)
+        model = cls(base, armt, memory, tokenizer)
+        model.base_reference = reference
+        return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -36,6 +37,12 @@ def zero_state(model: Any, batch: int) -> MemoryState:
     return MemoryState(*(jax.device_put(x, shardings[name]) for name, x in state._asdict().items()))
 
 
+def remat_cell(model: Any, fn: Callable) -> Callable:
+    """`fn` (one cell), rematerialised in the backward pass (`jax.checkpoint`: only its inputs are kept,
+    its activations recomputed) when `model.remat` is set (training), else `fn` itself."""
+    return jax.checkpoint(fn) if getattr(model, "remat", False) else fn
+
+
 def segment_through_layers(
     model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray, first: jnp.ndarray
 ) -> tuple[MemoryState, jnp.ndarray]:
@@ -45,7 +52,8 @@ def segment_through_layers(
 
     def body(layer, h, xs):
         lm, a, z = xs
-        h, a, z = cell(model.armt, model.inv_freq, layer, lm, h, a, z, n, first)
+        one = lambda h, a, z: cell(model.armt, model.inv_freq, layer, lm, h, a, z, n, first)
+        h, a, z = remat_cell(model, one)(h, a, z)
         return h, (a, z)
 
     h, (A, z) = base.scan_layers(body, embed_segment(base, mem.memory[...], ids), (mem.layers(), *state))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -491,3 +492,69 @@ def shares_word(sample: HaystackSample) -> bool:
     """Whether another fact's subject has the asked subject's colour or object ("blue box", "blue jar")."""
     asked = set(sample.subjects[sample.target_fact].split())
     return any(asked & set(s.split()) for k, s in enumerate(sample.subjects) if k != sample.target_fact)
+
+
+# --- chat form: the haystack as a user turn, the answer as the assistant's --------------------------
+_DOCUMENT = "\x00document\x00"  # stands for the document while the chat template renders
+
+
+@dataclass(frozen=True)
+class ChatFrame:
+    """A chat template's frame around a haystack: the document and its question are the user's turn,
+    the answer ("The code of the blue box is 4711") the assistant's, so the digits are supervised
+    where a chat model answers."""
+
+    head: np.ndarray  # int32, the template's tokens before the user's text (system turn, user turn start)
+    tail: np.ndarray  # int32, its tokens after the user's text, up to the assistant's first token
+    document_break: int  # the token that separates corpus documents ("\n\n") inside the user's text
+    overhead: int  # most tokens a chat prompt has beyond its plain sample (over all subjects)
+
+
+def chat_question_text(subject: str) -> str:
+    """The user's question about ``subject`` (after the document)."""
+    return f"\nWhat is the code of the {subject}?"
+
+
+def answer_prefix_text(subject: str) -> str:
+    """The assistant's words before the code digits; it ends as a fact's text does (" is ")."""
+    return f"The code of the {subject} is "
+
+
+def chat_frame(tokenizer: Any) -> ChatFrame:
+    """The frame of ``tokenizer``'s chat template (a `ChatTokenizer`); a ValueError when it has none or
+    "\\n\\n" is not one token."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("chat haystacks need a tokenizer with a chat template (the model's own)")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _DOCUMENT}], add_generation_prompt=True)
+    before, found, after = text.partition(_DOCUMENT)
+    if not found:
+        raise ValueError("the chat template does not keep the user's text as it is")
+    document_break = _encode(tokenizer, "\n\n")
+    if document_break.size != 1:
+        raise ValueError(f'the tokenizer encodes "\\n\\n" as {document_break.size} tokens, not one')
+    head, tail = _encode(tokenizer, before), _encode(tokenizer, after)
+    extra = max(
+        _encode(tokenizer, chat_question_text(s)).size
+        + _encode(tokenizer, answer_prefix_text(s)).size
+        - _encode(tokenizer, question_text(s)).size
+        for s in (f"{c} {o}" for c in COLOURS for o in OBJECTS)
+    )
+    return ChatFrame(head, tail, int(document_break[0]), head.size + tail.size - 1 + extra)
+
+
+def chat_prompt(sample: HaystackSample, frame: ChatFrame, tokenizer: Any) -> np.ndarray:
+    """The chat prompt (int32 ``[P]``, at most ``sample.ids.size + frame.overhead`` tokens) of a plain
+    sample: its document (without ``<bos>``, documents separated by ``frame.document_break``) and the
+    question as the user's turn, then the assistant's turn up to the code's first digit."""
+    subject = sample.subjects[sample.target_fact]
+    document = sample.ids[1 : sample.ids.size - _encode(tokenizer, sample.question).size]
+    document = np.where(document == EOS_ID, frame.document_break, document).astype(np.int32)
+    return np.concatenate(
+        [
+            frame.head,
+            document,
+            _encode(tokenizer, chat_question_text(subject)),
+            frame.tail,
+            _encode(tokenizer, answer_prefix_text(subject)),
+        ]
+    )

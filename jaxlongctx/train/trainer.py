@@ -105,6 +105,12 @@ class Trainer:
             return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
         self._train_step = jax.jit(train_step, donate_argnums=(0, 1))
+        self._loss = jax.jit(loss_fn)
+
+    def batch_loss(self, step: int) -> float:
+        """The loss of the current params on the batch of training step `step`."""
+        batch = {k: jnp.asarray(v) for k, v in self.batch_fn(step).items()}
+        return float(self._loss(self.params, self.frozen, batch))
 
     # --- checkpoints ----------------------------------------------------------------------------
     def _state_tree(self) -> dict[str, Any]:
