@@ -22,19 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result
-from jaxlongctx.armt import ARMTConfig
-from jaxlongctx.armt.diagonal import (
-    PIPELINE_ALWAYS,
-    batch_cells,
-    computed_cells,
-    diagonal_pays_off,
-    empty_pipeline,
-    fixed_buffer_waste,
-    plan,
-    run_block,
-)
+from jaxlongctx.armt import ARMTConfig, ARMTModel
+from jaxlongctx.armt.cpu_execution import PIPELINE_ALWAYS, batch_cells, diagonal_pays_off
+from jaxlongctx.armt.diagonal import computed_cells, empty_pipeline, fixed_buffer_waste, plan, run_block
+from jaxlongctx.armt.memory import zero_state
 from jaxlongctx.armt.segments import Segments
-from jaxlongctx.armt.sequential import zero_state
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.demo import peak_rss_bytes
 from jaxlongctx.model.model import Model
@@ -181,7 +173,7 @@ def run(sweep_name: str, save: Callable[[dict[str, Any]], Any] = lambda payload:
     model = Model.init(ModelConfig(**sweep["model"]), seed=0, dtype=dtype)
     armts = {}
     for i, (seg, mem) in enumerate(sweep["armt"]):
-        a = model.with_armt(ARMTConfig(seg, mem), jax.random.key(i))
+        a = ARMTModel.wrap(model, ARMTConfig(seg, mem), jax.random.key(i))
         armts[f"{seg}/{mem}"] = a.randomize_memory_params(jax.random.key(100 + i), 0.1)
         if sweep.get("pipeline_on_cpu"):  # run the pipeline as an accelerator does, not CPU's shortcuts
             a.cpu_execution = PIPELINE_ALWAYS

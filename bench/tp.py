@@ -30,8 +30,9 @@ from jaxlongctx.config import ModelConfig
 from jaxlongctx.generate import _prefill, bucket_length, generate
 from jaxlongctx.kvcache.calibrate import calibrate
 from jaxlongctx.model.model import Model
-from jaxlongctx.parallel import cache_sharding, make_mesh, put_batch, shard_model
+from jaxlongctx.parallel import make_mesh, shard_model
 from jaxlongctx.pq_generate import place_codebooks, pq_prefill
+from jaxlongctx.sharding import cache_sharding, put_batch
 
 FULL = ModelConfig(
     vocab_size=8192,

@@ -1,7 +1,5 @@
-"""Convert HuggingFace Llama-family checkpoints (safetensors) to jaxlongctx checkpoints and back.
-
-    python -m convert.hf_llama --hf-dir DIR --out CKPT [--dtype bf16|fp32]
-    python -m convert.hf_llama --export CKPT --out HF_DIR
+"""Convert HuggingFace Llama-family checkpoints (safetensors) to jaxlongctx checkpoints and back
+(command line: `convert.cli`).
 
 Import streams tensor by tensor: each stacked `[L, ...]` parameter is assembled in a file-backed
 buffer inside the (temporary) output directory, so resident memory stays near one stacked tensor.
@@ -11,11 +9,9 @@ files and unsupported configs are errors naming the file and tensor, and no outp
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -346,60 +342,3 @@ def _assign(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The converter's command-line options (shared with `jaxlongctx convert`)."""
-    p.add_argument("--hf-dir", help="HF model directory (config.json + *.safetensors) to import")
-    p.add_argument(
-        "--gguf",
-        metavar="FILE",
-        help="llama.cpp GGUF file (llama, qwen2, qwen3; F32/F16/BF16 or "
-        "Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K) to import, with its tokenizer and chat template",
-    )
-    p.add_argument(
-        "--export", metavar="CKPT", help="export this jaxlongctx checkpoint to a HF directory instead"
-    )
-    p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
-    p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default=None,
-        help="parameter dtype of the import (default: bf16 if the source is bf16, else fp32)",
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run a parsed conversion command; returns the exit code."""
-    try:
-        if sum(map(bool, (args.hf_dir, args.gguf, args.export))) != 1:
-            raise ConversionError("give exactly one of --hf-dir or --gguf (import) or --export (export)")
-        if args.export:
-            out = export_ckpt_to_hf(args.export, args.out, overwrite=args.overwrite)
-        elif args.gguf:
-            from convert.gguf_llama import convert_gguf_to_ckpt
-
-            out = convert_gguf_to_ckpt(args.gguf, args.out, args.dtype, overwrite=args.overwrite)
-        else:
-            out = convert_hf_to_ckpt(args.hf_dir, args.out, args.dtype, overwrite=args.overwrite)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m convert.hf_llama` entry point."""
-    p = argparse.ArgumentParser(
-        prog="python -m convert.hf_llama",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

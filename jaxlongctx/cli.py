@@ -23,10 +23,24 @@ commands:
 """
 
 
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `--tp` and `--dp` (mesh shape) to a command's parser."""
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (default 1)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel devices (default 1)")
+
+
+def mesh_from_args(args: argparse.Namespace) -> Any:
+    """The `jax.sharding.Mesh` asked for by `--tp/--dp`, or None for the plain single-device path."""
+    if args.tp == 1 and args.dp == 1:
+        return None
+    from jaxlongctx.parallel import make_mesh
+
+    return make_mesh(tp=args.tp, dp=args.dp)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from jaxlongctx.demo import BASE_MODEL, run_demo
     from jaxlongctx.loading import load
-    from jaxlongctx.parallel import mesh_from_args
 
     mesh = mesh_from_args(args)
     base = load(args.ckpt or BASE_MODEL, args.dtype or "fp32", mesh=mesh)
@@ -65,7 +79,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from jaxlongctx.generate import generate
     from jaxlongctx.loading import load
     from jaxlongctx.model.model import Model
-    from jaxlongctx.parallel import mesh_from_args
     from jaxlongctx.pq_generate import cache_stats, kv_cache_kwargs
     from jaxlongctx.tokenizer import TextStream
     from jaxlongctx.validation import check_text
@@ -81,9 +94,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError("--kv-cache pq applies to full-attention models, not with --armt-segment")
         import jax
 
-        from jaxlongctx.armt import ARMTConfig
+        from jaxlongctx.armt import ARMTConfig, ARMTModel
 
-        model = model.with_armt(ARMTConfig(args.armt_segment, args.armt_mem), jax.random.key(args.seed))
+        model = ARMTModel.wrap(model, ARMTConfig(args.armt_segment, args.armt_mem), jax.random.key(args.seed))
     if args.armt_segmentation is not None:
         if isinstance(model, Model):
             raise ValueError(
@@ -155,7 +168,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from convert.hf_llama import run
+    from convert.cli import run
 
     return run(args)
 
@@ -176,9 +189,8 @@ def _command(func_path: str) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     from jaxlongctx.chat import add_chat_arguments
+    from jaxlongctx.commands.calibrate import add_calibrate_arguments
     from jaxlongctx.kv_quality import add_eval_kv_arguments
-    from jaxlongctx.kvcache.calibrate import add_calibrate_arguments
-    from jaxlongctx.parallel import add_parallel_arguments
     from jaxlongctx.pq_generate import add_kv_cache_arguments
     from jaxlongctx.train.armt_finetune import add_train_armt_arguments
     from jaxlongctx.train.evaluate import add_eval_ppl_arguments
@@ -272,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Import: --hf-dir DIR or --gguf FILE, --out CKPT [--dtype bf16|fp32]. "
         "Export: --export CKPT --out HF_DIR. Writes are atomic.",
     )
-    from convert.hf_llama import add_arguments
+    from convert.cli import add_arguments
 
     add_arguments(c)
     c.set_defaults(func=_cmd_convert)
@@ -286,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Run the model over calibration text, collect post-RoPE keys and values, and train "
             "product-quantization codebooks with k-means.",
             (add_calibrate_arguments,),
-            "jaxlongctx.kvcache.calibrate:run_calibrate",
+            "jaxlongctx.commands.calibrate:run_calibrate",
         ),
         (
             "chat",

@@ -18,8 +18,8 @@ from jaxlongctx.config import ModelConfig, eos_ids
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.llama import decode_hidden, forward_hidden
 from jaxlongctx.model.model import Model
-from jaxlongctx.parallel import put_batch
 from jaxlongctx.sampling import select_next
+from jaxlongctx.sharding import put_batch
 from jaxlongctx.validation import check_ids, check_mask, check_positive_int
 
 _ALL_DONE_CHECK_EVERY = 16  # decode steps between host checks for "every row has stopped"

@@ -32,7 +32,7 @@ from jaxlongctx.kvcache.pq_cache import (
 from jaxlongctx.model.layers import DecoderLayer
 from jaxlongctx.model.llama import Llama, forward_hidden
 from jaxlongctx.model.model import Model
-from jaxlongctx.parallel import LOGICAL_AXES, per_kv_shard, put, put_batch, sharded_pq_decode_attention
+from jaxlongctx.sharding import LOGICAL_AXES, per_kv_shard, put, put_batch, sharded_pq_decode_attention
 from jaxlongctx.validation import check_positive_int
 
 KV_CACHES = ("dense", "pq")

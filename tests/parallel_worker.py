@@ -29,7 +29,8 @@ from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.attention import attention
 from jaxlongctx.model.llama import forward_hidden, positions_from_mask
-from jaxlongctx.parallel import cache_sharding, make_mesh, put_batch, shard_model
+from jaxlongctx.parallel import make_mesh, shard_model
+from jaxlongctx.sharding import cache_sharding, put_batch
 
 # GQA (2 q heads per kv head) that splits over tp up to 8; biases check "bias added once".
 CFG = ModelConfig(
@@ -290,7 +291,7 @@ def check_pq_attention() -> dict[str, Any]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxlongctx.parallel import sharded_pq_decode_attention
+    from jaxlongctx.sharding import sharded_pq_decode_attention
 
     rng = np.random.default_rng(0)
     b, kv, group, hd, ds, cap, window, cents = 4, 4, 2, 16, 2, 24, 4, 16
@@ -338,8 +339,8 @@ def check_pq_attention() -> dict[str, Any]:
 def run_armt() -> dict[str, Any]:
     """ARMT sequential and diagonal schedules (random memory weights, a padded batch of 4 rows) on
     every mesh vs one device, and how the memory weights and state are laid out."""
-    from jaxlongctx.armt.config import ARMTConfig
-    from jaxlongctx.armt.diagonal import PIPELINE_ALWAYS
+    from jaxlongctx.armt import ARMTConfig, ARMTModel
+    from jaxlongctx.armt.cpu_execution import PIPELINE_ALWAYS
 
     armt_cfg = ARMTConfig(segment_size=8, num_mem_tokens=4, d_mem=8)
     ids = np.random.default_rng(0).integers(3, CFG.vocab_size, (4, 27)).astype(np.int32)
@@ -348,7 +349,9 @@ def run_armt() -> dict[str, Any]:
     base = make_model()
 
     def armt(model: jaxlongctx.Model, segmentation: str = "fixed"):
-        armt = model.with_armt(armt_cfg, jax.random.key(0)).randomize_memory_params(jax.random.key(1), 0.5)
+        armt = ARMTModel.wrap(model, armt_cfg, jax.random.key(0)).randomize_memory_params(
+            jax.random.key(1), 0.5
+        )
         armt.cpu_execution = PIPELINE_ALWAYS  # these short inputs would otherwise run in sequential order
         if segmentation == "sentences":  # every 7th id ends a sentence, so the rows are cut apart
             armt.tokenizer = TinyTokenizer(CFG.vocab_size, periods=tuple(range(3, CFG.vocab_size, 7)))
@@ -419,8 +422,8 @@ def run_kv_replicas(combos: list[tuple[int, int]], tokens: bool) -> dict[str, An
     """For each (kv heads K, tp): a 16-head model with K kv heads on a tp mesh (kv heads replicated when
     tp > K) against one device: dense logits, PQ teacher-forced logits, ARMT diagonal logits (and greedy
     tokens of all three if `tokens`), and how many kv heads each device holds in the caches."""
-    from jaxlongctx.armt.config import ARMTConfig
-    from jaxlongctx.armt.diagonal import PIPELINE_ALWAYS
+    from jaxlongctx.armt import ARMTConfig, ARMTModel
+    from jaxlongctx.armt.cpu_execution import PIPELINE_ALWAYS
     from jaxlongctx.kvcache.calibrate import calibrate
 
     window, out = 4, {}
@@ -429,7 +432,7 @@ def run_kv_replicas(combos: list[tuple[int, int]], tokens: bool) -> dict[str, An
     def outputs(model: jaxlongctx.Model, codebooks: Any) -> dict[str, Any]:
         """name -> (logits, greedy tokens or None) for dense, PQ and ARMT, and the ARMT model and PQ cache."""
         ids, mask = sample_inputs(model.config)
-        armt = model.with_armt(ARMTConfig(segment_size=4, num_mem_tokens=2, d_mem=4), jax.random.key(0))
+        armt = ARMTModel.wrap(model, ARMTConfig(segment_size=4, num_mem_tokens=2, d_mem=4), jax.random.key(0))
         armt.cpu_execution = PIPELINE_ALWAYS  # this short input would otherwise run in sequential order
         armt.randomize_memory_params(jax.random.key(1), 0.5)
         pq = {"kv_cache": "pq", "codebooks": codebooks, "pq_window": window}

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from test_armt_utils import VOCAB, make_armt, numpy_armt, shared_armt, tiny_config
 
-from jaxlongctx.armt import ARMTConfig, DiagonalProjections
-from jaxlongctx.armt.diagonal import PIPELINE_ALWAYS, CPUExecution, computed_cells, fixed_buffer_waste, plan
+from jaxlongctx.armt import ARMTConfig, ARMTModel, DiagonalProjections
+from jaxlongctx.armt.cpu_execution import PIPELINE_ALWAYS, CPUExecution
+from jaxlongctx.armt.diagonal import computed_cells, fixed_buffer_waste, plan
 from jaxlongctx.armt.segments import compact, segment
 from jaxlongctx.armt.sequential import TRACES
 from jaxlongctx.model.model import Model
@@ -150,7 +151,7 @@ def _bf16_models():
     schedule (fp32 diagonal still equals fp32 sequential exactly)."""
     model = Model.init(tiny_config(), seed=3)
     low = (
-        model.with_armt(ARMTConfig(8, 4, d_mem=8), jax.random.key(3))
+        ARMTModel.wrap(model, ARMTConfig(8, 4, d_mem=8), jax.random.key(3))
         .randomize_memory_params(jax.random.key(4), 0.2)
         .astype(jnp.bfloat16)
     )

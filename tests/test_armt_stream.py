@@ -135,7 +135,7 @@ def test_reference_init_and_errors():
     from jaxlongctx.model.model import Model
 
     model = Model.init(tiny_config(2))
-    armt = model.with_armt(ARMTConfig(8, 4, d_mem=8), jax.random.key(0))
+    armt = ARMTModel.wrap(model, ARMTConfig(8, 4, d_mem=8), jax.random.key(0))
     assert float(jnp.abs(armt.memory.wv[...]).max()) == 0.0  # reference: W_mv zeros
     emb_std = float(jnp.std(model.module.embed[...]))
     assert abs(float(jnp.std(armt.memory.memory[...])) - emb_std) < 0.5 * emb_std

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlongctx.armt import ARMTConfig, ARMTModel
-from jaxlongctx.armt.diagonal import PIPELINE_ALWAYS
+from jaxlongctx.armt.cpu_execution import PIPELINE_ALWAYS
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.model import Model
 
@@ -68,8 +68,8 @@ def make_armt(
     model.module.embed[...] = (
         0.5 * jax.random.normal(jax.random.fold_in(key, 7), model.module.embed.shape)
     ).astype(dtype)
-    armt = model.with_armt(
-        ARMTConfig(segment_size, mem, d_mem=8, state_dtype=state_dtype), jax.random.key(seed + 1)
+    armt = ARMTModel.wrap(
+        model, ARMTConfig(segment_size, mem, d_mem=8, state_dtype=state_dtype), jax.random.key(seed + 1)
     )
     armt.cpu_execution = (
         PIPELINE_ALWAYS  # short test inputs take the pipeline too (the CPU shortcut has its test)

@@ -10,7 +10,8 @@ import pytest
 from hf_oracle import make_hf_model
 from safetensors.numpy import load_file, save_file
 
-from convert.hf_llama import ConversionError, convert_hf_to_ckpt, export_ckpt_to_hf, main
+from convert.cli import main
+from convert.hf_llama import ConversionError, convert_hf_to_ckpt, export_ckpt_to_hf
 from jaxlongctx.config import ConfigError
 
 

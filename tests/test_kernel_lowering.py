@@ -175,7 +175,8 @@ def _abstract_armt(dtype):
 def test_grouped_diagonal_step_lowers(dtype):
     """A whole diagonal step with every product on the Pallas grouped GEMM (7 layer + 4 memory products)
     and its gradient (two more kernels per product), for a full step and a ramp-down step (first layer 1)."""
-    from jaxlongctx.armt.diagonal import CPUExecution, _run_block
+    from jaxlongctx.armt.cpu_execution import CPUExecution
+    from jaxlongctx.armt.diagonal import _run_block
     from jaxlongctx.armt.projections import DiagonalProjections
 
     model, params, pipe, segs = _abstract_armt(dtype)

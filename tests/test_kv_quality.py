@@ -11,10 +11,11 @@ import pytest
 
 import jaxlongctx
 from jaxlongctx.checkpoint import save_model
+from jaxlongctx.commands.calibrate import add_calibrate_arguments, run_calibrate
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kv_quality import add_eval_kv_arguments, kv_perplexity, kv_transform, run_eval_kv
 from jaxlongctx.kvcache import fake_quantize
-from jaxlongctx.kvcache.calibrate import add_calibrate_arguments, model_fingerprint, run_calibrate
+from jaxlongctx.kvcache.calibrate import model_fingerprint
 from jaxlongctx.pq_generate import add_kv_cache_arguments, cache_stats, kv_cache_kwargs
 from jaxlongctx.train.evaluate import add_eval_ppl_arguments, perplexity
 

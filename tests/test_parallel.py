@@ -18,14 +18,9 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
 
+from jaxlongctx.cli import add_parallel_arguments, mesh_from_args
 from jaxlongctx.config import ModelConfig
-from jaxlongctx.parallel import (
-    add_parallel_arguments,
-    check_divisible,
-    make_mesh,
-    mesh_from_args,
-    param_shardings,
-)
+from jaxlongctx.parallel import check_divisible, make_mesh, param_shardings
 
 WORKER = Path(__file__).parent / "parallel_worker.py"
 TOLERANCE = 1e-4

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import pq_decode_attention
+from pallas_kernels import pq_attention, pq_attention_cpu, pq_decode_attention
 from pallas_kernels.pq_attention import lookup_tables, merge_partials
 from pallas_kernels.pq_attention_kernel import PQBlocks, pq_coded_partials_pallas
 from pallas_kernels.pq_attention_reference import pq_decode_attention_reference
@@ -114,8 +116,97 @@ def test_xla_path_matches_oracle(head_dim, sub_dim, group, per_head):
     _check(_case(head_dim=head_dim, sub_dim=sub_dim, group=group, per_head=per_head), "xla")
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def _require_native():
+    """Skip only where no C++ compiler exists; a compiler whose build fails is a test failure."""
+    error = pq_attention_cpu.native_kernel_error()
+    if error is not None and error.startswith("no C++ compiler"):
+        pytest.skip(error)
+    assert error is None, error
+
+
+def _native_case(head_dim, sub_dim, group, per_head):
+    return {
+        "head_dim": head_dim,
+        "sub_dim": sub_dim,
+        "group": group,
+        "per_head": per_head,
+        "kv_heads": 1 + per_head,
+    }
+
+
+NATIVE_CASES = [  # one lane block and two; SmolLM2's group (3 of 4 lanes) on long rows; an odd M (tail paths)
+    _native_case(*SWEEP[0]),
+    _native_case(*SWEEP[2]),
+    # several 256-token chunks per split and several splits, rows empty, odd and full
+    {"group": 3, "kv_heads": 3, "capacity": 3000, "lengths": (0, 2999, 1301), "res_lengths": (5, 0, 128)},
+    {"head_dim": 48, "sub_dim": 16, "group": 5, "kv_heads": 2, "per_head": True},
+]
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES)
+def test_native_path_matches_oracle(case):
+    _require_native()
+    _check(_case(window=128 if "res_lengths" in case else 8, **case), "native")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim, sub_dim, group, per_head", SWEEP)
+def test_native_path_matches_oracle_sweep(head_dim, sub_dim, group, per_head):
+    _require_native()
+    _check(_case(**_native_case(head_dim, sub_dim, group, per_head)), "native")
+
+
+def test_native_long_rows_with_moving_max():
+    """Keys whose scores grow along the row: every chunk raises the running max (rescaled histogram)."""
+    _require_native()
+    q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale = _case(
+        group=3, kv_heads=3, capacity=2048, lengths=(2048, 1000, 2047)
+    )
+    ramp = jnp.arange(k_codes.shape[2], dtype=jnp.int32)[None, None, :, None] * 256 // k_codes.shape[2]
+    k_cent = k_cent + jnp.arange(256, dtype=jnp.float32)[None, :, None] * 0.05  # larger code, larger key
+    k_codes = jnp.broadcast_to(ramp, k_codes.shape).astype(jnp.uint8)
+    _check((q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale), "native", 1e-4)
+
+
+def test_native_bf16_inputs():
+    _require_native()
+    _check(_case(dtype=jnp.bfloat16, group=3, kv_heads=3, capacity=700, lengths=(700, 3, 0)), "native", 2e-2)
+
+
+def test_auto_backend_on_cpu(monkeypatch):
+    """auto is the native kernel on CPU when it builds and falls back to XLA when it cannot."""
+    _require_native()
+    assert pq_attention._resolve_pq_backend("auto") == "native"
+    monkeypatch.setattr(pq_attention, "native_kernel_error", lambda: "no C++ compiler 'c++' on PATH")
+    assert pq_attention._resolve_pq_backend("auto") == "xla"
+    with pytest.raises(ValueError, match="backend 'native' is unavailable: no C\\+\\+ compiler"):
+        pq_attention._resolve_pq_backend("native")
+
+
+def test_native_kernel_reports_a_missing_compiler(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    assert (
+        pq_attention_cpu.native_kernel_error.__wrapped__()
+        == "no C++ compiler 'no-such-compiler-xyz' on PATH (set CXX)"
+    )
+
+
+@pytest.mark.slow
+def test_native_build_is_cached(tmp_path, monkeypatch):
+    """A fresh cache builds once; the second build call reuses the library."""
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("JAXLONGCTX_KERNEL_CACHE", str(tmp_path))
+    lib = pq_attention_cpu._build(os.environ.get("CXX", "g++"))
+    stamp = lib.stat().st_mtime_ns
+    assert pq_attention_cpu._build(os.environ.get("CXX", "g++")) == lib and lib.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [lib.name]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret", "native"])
 def test_edge_lengths(backend):
+    if backend == "native":
+        _require_native()
     # no coded tokens but a full window; everything empty -> zeros (no NaN); non-power-of-two group
     _check(_case(lengths=(0, 0, 0), res_lengths=(8, 8, 8)), backend)
     _check(_case(group=3, lengths=(50, 7, 1), res_lengths=(0, 0, 8)), backend)

@@ -153,8 +153,8 @@ def test_pq_generation_errors(model):
     )
     with pytest.raises(ValueError, match="calibrated on another model"):
         jaxlongctx.generate(model, ids, 2, kv_cache="pq", codebooks=other)
-    from jaxlongctx.armt.config import ARMTConfig
+    from jaxlongctx.armt import ARMTConfig, ARMTModel
 
-    armt = model.with_armt(ARMTConfig(segment_size=8, num_mem_tokens=2, d_mem=4), jax.random.key(0))
+    armt = ARMTModel.wrap(model, ARMTConfig(segment_size=8, num_mem_tokens=2, d_mem=4), jax.random.key(0))
     with pytest.raises(ValueError, match="full-attention models"):
         jaxlongctx.generate(armt, ids, 2, kv_cache="pq", codebooks=cb)

@@ -1,6 +1,6 @@
 """ARMT (associative recurrent memory transformer) with sequential and diagonal schedules.
 
-    armt = model.with_armt(ARMTConfig(segment_size=1024, num_mem_tokens=128), jax.random.key(0))
+    armt = ARMTModel.wrap(model, ARMTConfig(segment_size=1024, num_mem_tokens=128), jax.random.key(0))
     logits = armt(ids, attention_mask, schedule="diagonal")        # [B, T, V]; "sequential" = ground truth
     logits, memory = armt.run(ids, attention_mask, schedule=...)   # + per-layer A [L,B,dk,D], z [L,B,dk]
     state = armt.init_state(batch); state, per_row = armt.feed(state, chunk, end_document=...)
@@ -18,8 +18,8 @@ starts after sentence ends), `sequential`,
 """
 
 from jaxlongctx.armt.config import ARMTConfig
+from jaxlongctx.armt.memory import MemoryState
 from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.armt.projections import DiagonalProjections
-from jaxlongctx.armt.sequential import MemoryState
 
 __all__ = ["ARMTConfig", "ARMTModel", "DiagonalProjections", "MemoryState"]

@@ -22,7 +22,7 @@ from jaxlongctx.model.attention import causal_prefill_attention
 from jaxlongctx.model.layers import DecoderLayer, Dense
 from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.rope import rope_tables
-from jaxlongctx.parallel import matmul, reshard_like
+from jaxlongctx.sharding import matmul, reshard_like
 
 CELL_ATTENTION_CHUNK = 256  # query rows per attention block in a cell (keys: the causal prefix only)
 

@@ -12,9 +12,9 @@ L - 1 segments compile one plan per segment count).
 
 On accelerators every diagonal is one batched call: a vmapped cell or, where the grouped GEMM kernel
 runs (see `jaxlongctx.armt.projections`), one grouped cell whose products read the stacked weights in
-place. On CPU (`CPUExecution`) a vmapped diagonal is batched only while that is faster than running
-its cells one by one inside the same step, and one-shot inputs too short to leave the ramps run their
-cells in sequential order.
+place. On CPU (`jaxlongctx.armt.cpu_execution`) a vmapped diagonal is batched only while that is
+faster than running its cells one by one inside the same step; whether a one-shot input is worth the
+pipeline at all is decided by `ARMTModel.run_segments`, which chooses the schedule.
 """
 
 from __future__ import annotations
@@ -27,28 +27,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlongctx.armt.cell import cell, embed_segment
+from jaxlongctx.armt.cpu_execution import CPUExecution, batch_cells
+from jaxlongctx.armt.memory import MemoryState, zero_state
 from jaxlongctx.armt.projections import DiagonalProjections, grouped_products, grouped_weights
 from jaxlongctx.armt.segments import Segments, chunk_sizes
-from jaxlongctx.armt.sequential import TRACES, MemoryState, remat_cell, sequential_forward, zero_state
-from jaxlongctx.parallel import batch_sharding
-
-
-class CPUExecution(NamedTuple):
-    """How the diagonal schedule executes on CPU (accelerators always batch every diagonal).
-
-    On CPU one cell of a few hundred rows already keeps the cores busy; batching more rows than
-    `batched_rows` pushes a diagonal's intermediates (MLP activations, attention scores) out of the
-    cache, and a partial (ramp) diagonal would first copy its window of the stacked weights: both
-    then run slower than the same cells one by one. One-shot inputs with fewer than
-    `min_segments_per_layer * L` segments spend most steps in the ramps and run in sequential order.
-    The defaults were measured with bench/armt_schedule.py; every choice gives the same results.
-    """
-
-    batched_rows: int = 3072
-    min_segments_per_layer: int = 3
-
-
-PIPELINE_ALWAYS = CPUExecution(min_segments_per_layer=0)  # never the sequential-order shortcut
+from jaxlongctx.armt.sequential import TRACES, remat_cell
+from jaxlongctx.sharding import batch_sharding
 
 Step = tuple[int, int, bool]  # layers [a, b) run; whether a new segment enters slot 0 first
 Block = tuple[str, Any]  # ("full", count) or ("steps", tuple[Step, ...])
@@ -112,23 +96,6 @@ def plan(
     for kind, arg in blocks:
         out.extend([("full", c) for c in chunk_sizes(arg)] if kind == "full" else [(kind, arg)])
     return out, occupied
-
-
-def batch_cells(cpu: CPUExecution, cells: int, num_layers: int, batch: int, rows: int) -> bool:
-    """Whether a diagonal of `cells` cells over `batch` segment buffers of `rows` rows runs as one
-    vmapped call, or cell after cell inside the same compiled step (see `CPUExecution`)."""
-    if jax.default_backend() != "cpu":
-        return True
-    return cells == num_layers and cells * batch * rows <= cpu.batched_rows
-
-
-def diagonal_pays_off(model: Any, batch: int, num_segments: int) -> bool:
-    """Whether a one-shot input runs through the pipeline rather than in sequential order (see
-    `CPUExecution`; always on accelerators)."""
-    L, cpu = model.config.num_layers, model.cpu_execution
-    if jax.default_backend() != "cpu":
-        return True
-    return batch_cells(cpu, L, L, batch, model.armt.rows) and num_segments >= cpu.min_segments_per_layer * L
 
 
 def block_inputs(block: Block) -> int:
@@ -249,13 +216,7 @@ def diagonal_forward(
     model: Any, params: Any, segs: Segments, state: MemoryState | None = None
 ) -> tuple[MemoryState, jnp.ndarray]:
     """Run segments `[nS, B, S]` through an empty pipeline and drain it; returns the final state
-    and logits `[nS, B, S, V]` (equal to `sequential_forward` up to float reassociation).
-
-    Where it would not pay off (`diagonal_pays_off`: CPU with large segments or few of them), the
-    same cells run in sequential order instead: the same results, as fast as the sequential schedule.
-    """
-    if not diagonal_pays_off(model, segs.ids.shape[1], segs.count):
-        return sequential_forward(model, params, segs, state)
+    and logits `[nS, B, S, V]` (equal to `sequential_forward` up to float reassociation)."""
     state = zero_state(model, segs.ids.shape[1]) if state is None else state
     blocks, _ = plan(None, segs.count, True, model.config.num_layers)
     pipe, outs = run_blocks(model, params, empty_pipeline(model, state), blocks, segs)

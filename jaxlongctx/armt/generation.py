@@ -17,14 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlongctx.armt.memory import read
+from jaxlongctx.armt.memory import MemoryState, read, zero_state
 from jaxlongctx.armt.segments import compact, segment, token_rows
-from jaxlongctx.armt.sequential import MemoryState, segment_through_layers, zero_state
+from jaxlongctx.armt.sequential import segment_through_layers
 from jaxlongctx.generate import Request, choose_next
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.attention import attention
 from jaxlongctx.model.rope import rope_tables
-from jaxlongctx.parallel import put_batch
+from jaxlongctx.sharding import put_batch
 from jaxlongctx.validation import check_ids
 
 

@@ -1,4 +1,5 @@
-"""The associative memory of one layer (spec 1.3-1.5): DPFP feature map, read and write.
+"""The associative memory (spec 1.3-1.5): DPFP feature map, read and write of one layer, and the
+per-layer memory state of a whole model (`MemoryState`, `zero_state`) that every schedule carries.
 
 Pure functions. Whatever the weight dtype, the projections accumulate in float32 and the read and
 write arithmetic on the state `A [B, d_key, D]`, `z [B, d_key]` runs in float32; the updated state is
@@ -9,13 +10,13 @@ and take the projection as a `Project` function (default `project`, a plain prod
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxlongctx.armt.config import NU
-from jaxlongctx.parallel import reshard_like
+from jaxlongctx.sharding import memory_state_shardings, reshard_like
 
 EPS = 1e-5  # the three literal eps sites of the reference (read, write and gamma denominators)
 
@@ -28,6 +29,27 @@ class LayerMemory(NamedTuple):
     wv: jnp.ndarray  # D D
     wb: jnp.ndarray  # D     (W_mb: d -> 1)
     bb: jnp.ndarray  # ()    (its bias)
+
+
+class MemoryState(NamedTuple):
+    """Per-layer associative memory: A `[L, B, d_key, D]`, z `[L, B, d_key]` (state dtype)."""
+
+    A: jnp.ndarray
+    z: jnp.ndarray
+
+
+def zero_state(model: Any, batch: int) -> MemoryState:
+    """All-zero memory for `batch` rows."""
+    cfg, armt = model.config, model.armt
+    state = MemoryState(
+        jnp.zeros((cfg.num_layers, batch, armt.d_key, cfg.hidden_size), armt.state_dtype),
+        jnp.zeros((cfg.num_layers, batch, armt.d_key), armt.state_dtype),
+    )
+    mesh = model.base.mesh
+    if mesh is None:
+        return state
+    shardings = memory_state_shardings(mesh, batch)
+    return MemoryState(*(jax.device_put(x, shardings[name]) for name, x in state._asdict().items()))
 
 
 def project(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:

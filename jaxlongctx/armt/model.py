@@ -14,17 +14,19 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxlongctx.armt import stream
+import jaxlongctx.armt.stream as stream
 from jaxlongctx.armt.base_reference import BaseReference, load_referenced_base
 from jaxlongctx.armt.config import ARMTConfig
-from jaxlongctx.armt.diagonal import CPUExecution, diagonal_forward
+from jaxlongctx.armt.cpu_execution import CPUExecution, diagonal_pays_off
+from jaxlongctx.armt.diagonal import diagonal_forward
 from jaxlongctx.armt.generation import generate_ids, generation_logits
+from jaxlongctx.armt.memory import MemoryState
 from jaxlongctx.armt.memory_checkpoint import restore_memory, write_memory
 from jaxlongctx.armt.params import MemoryParams
 from jaxlongctx.armt.projections import DiagonalProjections, as_projections
 from jaxlongctx.armt.segments import Segments, compact, grid_starts, segment, segment_at, token_rows
 from jaxlongctx.armt.sentences import SentenceSegmenter, make_segmenter
-from jaxlongctx.armt.sequential import MemoryState, sequential_forward
+from jaxlongctx.armt.sequential import sequential_forward
 from jaxlongctx.checkpoint import (
     CheckpointError,
     atomic_directory,
@@ -151,9 +153,13 @@ class ARMTModel:
         self, params: Any, segs: Segments, schedule: str = "diagonal", state: MemoryState | None = None
     ) -> tuple[MemoryState, jnp.ndarray]:
         """Segments `[nS, B, S]` through `schedule` -> final memory and logits `[nS, B, S, V]` (pure in
-        `params`, so differentiable)."""
+        `params`, so differentiable). Where the diagonal schedule would not pay off (`diagonal_pays_off`:
+        CPU with large segments or few of them), its cells run in sequential order instead: the same
+        results, as fast as the sequential schedule."""
         if schedule == "diagonal":
-            return diagonal_forward(self, params, segs, state)
+            if diagonal_pays_off(self, segs.ids.shape[1], segs.count):
+                return diagonal_forward(self, params, segs, state)
+            return sequential_forward(self, params, segs, state)
         if schedule == "sequential":
             return sequential_forward(self, params, segs, state)
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxlongctx.parallel import put_batch
+from jaxlongctx.sharding import put_batch
 
 FULL_CHUNK = 8  # segments per compiled chunk; the remainder runs one segment per call
 

@@ -4,37 +4,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxlongctx.armt.cell import cell, embed_segment
+from jaxlongctx.armt.memory import MemoryState, zero_state
 from jaxlongctx.armt.segments import Segments, chunk_sizes
-from jaxlongctx.parallel import memory_state_shardings
 
 TRACES: Counter = Counter()  # trace (= compile) count per schedule function, read by tests
-
-
-class MemoryState(NamedTuple):
-    """Per-layer associative memory: A `[L, B, d_key, D]`, z `[L, B, d_key]` (state dtype)."""
-
-    A: jnp.ndarray
-    z: jnp.ndarray
-
-
-def zero_state(model: Any, batch: int) -> MemoryState:
-    """All-zero memory for `batch` rows."""
-    cfg, armt = model.config, model.armt
-    state = MemoryState(
-        jnp.zeros((cfg.num_layers, batch, armt.d_key, cfg.hidden_size), armt.state_dtype),
-        jnp.zeros((cfg.num_layers, batch, armt.d_key), armt.state_dtype),
-    )
-    mesh = model.base.mesh
-    if mesh is None:
-        return state
-    shardings = memory_state_shardings(mesh, batch)
-    return MemoryState(*(jax.device_put(x, shardings[name]) for name, x in state._asdict().items()))
 
 
 def remat_cell(model: Any, fn: Callable) -> Callable:

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlongctx.armt.diagonal import Pipeline, empty_pipeline, plan, run_blocks
+from jaxlongctx.armt.memory import MemoryState, zero_state
 from jaxlongctx.armt.segments import Segments
-from jaxlongctx.armt.sequential import MemoryState, sequential_forward, zero_state
+from jaxlongctx.armt.sequential import sequential_forward
 
 SCHEDULES = ("diagonal", "sequential")
 

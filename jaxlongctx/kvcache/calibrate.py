@@ -1,17 +1,15 @@
 """Codebook calibration: run the model over calibration text, collect post-RoPE K/V, train PQ codebooks.
 
-Also the model fingerprint that ties codebooks to the model they were made for, and the
-`jaxlongctx calibrate` command.
+Also the model fingerprint that ties codebooks to the model they were made for. The `jaxlongctx
+calibrate` command is `jaxlongctx.commands.calibrate`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +21,10 @@ from jaxlongctx.kvcache.codebooks import (
     Codebooks,
     Granularity,
     load_codebooks,
-    save_codebooks,
     train_codebooks,
 )
 from jaxlongctx.model.llama import forward_hidden
 from jaxlongctx.model.model import Model
-from jaxlongctx.output_dir import check_output
 
 FINGERPRINT_SAMPLES = 4096  # parameter values hashed per leaf (evenly strided)
 
@@ -150,81 +146,3 @@ def calibrate(
     if source:
         meta["calibration_source"] = source
     return dataclasses.replace(cb, metadata=meta)
-
-
-# --- CLI: calibrate --------------------------------------------------------------------------------
-def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `jaxlongctx calibrate`."""
-    parser.add_argument(
-        "--model", "--ckpt", dest="model", required=True, help="jaxlongctx checkpoint or HF model directory"
-    )
-    parser.add_argument("--text", help="calibration text file (default: the built-in calibration split)")
-    parser.add_argument("--out", required=True, help="output codebooks directory")
-    parser.add_argument(
-        "--ds", type=int, default=2, help="subspace size (2: 4 bits/element, 4: 2 bits/element)"
-    )
-    parser.add_argument(
-        "--bits", type=int, default=8, help="bits per code, at most 8 (default 8: 256 centroids)"
-    )
-    parser.add_argument("--granularity", choices=GRANULARITIES, default="shared")
-    parser.add_argument("--iters", type=int, default=25, help="k-means iterations (default 25)")
-    parser.add_argument("--seq-len", type=int, default=512, help="calibration window length (default 512)")
-    parser.add_argument(
-        "--max-tokens", type=int, default=16384, help="calibration tokens used (default 16384)"
-    )
-    parser.add_argument(
-        "--points-per-centroid",
-        type=int,
-        default=64,
-        help="k-means vectors sampled per centroid in each problem (default 64)",
-    )
-    parser.add_argument(
-        "--tol",
-        type=float,
-        default=1e-3,
-        help="stop k-means once the total error falls by at most this fraction in an "
-        "iteration (default 1e-3; 0 runs every --iters)",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)"
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-
-
-def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
-    """`jaxlongctx calibrate`: train codebooks for `--model` and save them to `--out`; prints a JSON summary."""
-    from jaxlongctx.data.tokenizer import encode_corpus
-    from jaxlongctx.loading import load
-
-    check_output(args.out, overwrite=args.overwrite, inputs=(args.model, args.text))
-    model = load(args.model, args.dtype)
-    if args.text is None:
-        tokens, source = encode_corpus("calibration", model.tokenizer), "calibration split"
-    else:
-        text_path = Path(args.text)
-        if not text_path.is_file():
-            raise ValueError(f"--text {text_path} is not a file")
-        if model.tokenizer is None:
-            raise ValueError(f"{args.model} has no tokenizer.json, so --text cannot be tokenized")
-        tokens = np.asarray(model.tokenizer.encode(text_path.read_text()).ids, np.int32)
-        source = str(text_path)
-    cb = calibrate(
-        model,
-        tokens,
-        args.ds,
-        args.bits,
-        args.granularity,
-        args.iters,
-        seq_len=args.seq_len,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        progress=True,
-        source=source,
-        points_per_centroid=args.points_per_centroid,
-        tol=args.tol,
-    )
-    path = save_codebooks(cb, args.out, overwrite=args.overwrite, inputs=(args.model, args.text))
-    summary = {"out": str(path), "ds": cb.ds, "bits": cb.bits, "granularity": cb.granularity, **cb.metadata}
-    print(json.dumps(summary))
-    return summary

@@ -4,7 +4,7 @@ A layer is `h -> h + attn(norm(h)) -> h + mlp(norm(h))`. Schedules (full forward
 ARMT segments) differ only in how attention sees keys, so the layer exposes `project_qkv` (norm,
 projections, q/k norm, RoPE) and `finish` (output projection, residual, MLP) around it.
 
-Both take the matrix product as a `Dense` function (default: `parallel.matmul`, the plain product that
+Both take the matrix product as a `Dense` function (default: `sharding.matmul`, the plain product that
 all-reduces a row-parallel one) and accept any leading axes. ARMT's grouped diagonal step uses that:
 its layer holds the stacked weights `[L, in, out]` whole, a leading group axis `G` on every vector
 parameter and on the activations, and a `Dense` that multiplies group g by layer `first + g`.
@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.rope import apply_rope
-from jaxlongctx.parallel import matmul
+from jaxlongctx.sharding import matmul
 
 Dense = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]  # (x [..., in], weight) -> x @ weight [..., out]
 

@@ -10,7 +10,7 @@ from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.attention import causal_prefill_attention, decode_attention
 from jaxlongctx.model.layers import DecoderLayer, rms_norm, stacked_layers
 from jaxlongctx.model.rope import inverse_frequencies, rope_tables
-from jaxlongctx.parallel import embed_lookup, reshard_like
+from jaxlongctx.sharding import embed_lookup, reshard_like
 
 
 class Llama(nnx.Module):

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.llama import Llama, forward
-from jaxlongctx.parallel import mesh_of, put_batch
+from jaxlongctx.sharding import mesh_of, put_batch
 from jaxlongctx.validation import check_ids, check_mask
 
 
@@ -76,9 +76,3 @@ class Model:
     def param_bytes(self) -> int:
         """Total bytes of all parameters."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
-
-    def with_armt(self, config: Any, key: jax.Array) -> Any:
-        """This model wrapped as an `ARMTModel` with fresh memory parameters (`config`: ARMTConfig)."""
-        from jaxlongctx.armt.model import ARMTModel
-
-        return ARMTModel.wrap(self, config, key)

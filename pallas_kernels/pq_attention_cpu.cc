@@ -1,0 +1,247 @@
+// PQ lookup-table decode attention over the coded tokens, on CPU: an XLA FFI handler.
+//
+// One call covers one layer. For every (batch row b, kv head k, block of 4 query heads, token
+// split s) a task walks its tokens once, in chunks that stay in L1:
+//   scores  sc[t, g] = sum_m lut[b, k, nb, m, k_code[t, m], g]         (4 query heads per 16-byte load)
+//   weights p[t, g]  = exp(sc[t, g] - running max)                      (online softmax over chunks)
+//   bins[m, c, g]   += p[t, g] for c = v_code[t, m]                      (a weight histogram per centroid)
+// and at the end out[g, m*ds + j] = sum_c bins[m, c, g] * v_cent[m, c, j] / sum_t p[t, g], with
+// lse[g] = max + log(sum_t p[t, g]). No key or value is reconstructed; the splits and the exact
+// window are merged by log-sum-exp by the caller. Tasks run on XLA's intra-op thread pool.
+//
+// Shapes: lut f32 [B K NB M C 4] (scale folded in; padded query heads are zero rows),
+// k_codes/v_codes u8 [B K T M], v_cent f32 [Kc M C ds] (Kc = 1 shared or K), lengths s32 [B];
+// out f32 [B K NB S 4 D], lse f32 [B K NB S 4] (D = M * ds). A split with no token gives (0, -inf).
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v4 __attribute__((vector_size(16)));
+constexpr int64_t kLanes = 4;   // query heads per lookup-table entry
+constexpr int64_t kChunk = 256;  // tokens scored before their weights go into the histogram
+
+inline v4 load4(const float* p) {
+  v4 r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+
+inline void store4(float* p, v4 x) { std::memcpy(p, &x, sizeof(x)); }
+
+inline v4 max4(v4 a, v4 b) { return a > b ? a : b; }
+
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+// exp of 4 lanes, x <= 0 (weights below the running max): 2^n * e^r with |r| <= ln2 / 2 and a
+// degree-6 Taylor polynomial (relative error about 1e-7); x below -87 gives e^-87, not 0.
+inline v4 exp4(v4 x) {
+  x = max4(x, v4{-87.0f, -87.0f, -87.0f, -87.0f});
+  const v4 t = x * 1.44269504f;
+  const v4i n = __builtin_convertvector(t - 0.5f, v4i);  // round to nearest for t <= 0
+  const v4 nf = __builtin_convertvector(n, v4);
+  const v4 r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+  v4 poly = 1.0f / 720 + r * (1.0f / 5040);
+  poly = 1.0f / 120 + r * poly;
+  poly = 1.0f / 24 + r * poly;
+  poly = 1.0f / 6 + r * poly;
+  poly = 0.5f + r * poly;
+  poly = 1.0f + r * poly;
+  poly = 1.0f + r * poly;
+  const v4i bits = (n + 127) << 23;
+  v4 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return poly * scale;
+}
+
+struct Problem {
+  const float* lut;
+  const uint8_t* k_codes;
+  const uint8_t* v_codes;
+  const float* v_cent;
+  const int32_t* lengths;
+  float* out;
+  float* lse;
+  int64_t batch, kv_heads, blocks, subspaces, centroids, capacity, cent_heads, sub_dim, splits;
+};
+
+// Scores of tokens [t0, t0 + n) against one block's lookup table: two tokens and two subspaces at
+// a time, so four independent add chains hide the load-to-add latency.
+void chunk_scores(const float* lut, const uint8_t* codes, int64_t n, int64_t subspaces, int64_t centroids,
+                  float* scores) {
+  const int64_t row = centroids * kLanes;
+  int64_t i = 0;
+  for (; i + 1 < n; i += 2) {
+    const uint8_t* r0 = codes + i * subspaces;
+    const uint8_t* r1 = r0 + subspaces;
+    v4 a0 = {0, 0, 0, 0}, b0 = a0, a1 = a0, b1 = a0;
+    int64_t m = 0;
+    for (; m + 1 < subspaces; m += 2) {
+      const float* t0 = lut + m * row;
+      const float* t1 = t0 + row;
+      a0 += load4(t0 + r0[m] * kLanes);
+      a1 += load4(t0 + r1[m] * kLanes);
+      b0 += load4(t1 + r0[m + 1] * kLanes);
+      b1 += load4(t1 + r1[m + 1] * kLanes);
+    }
+    if (m < subspaces) {
+      a0 += load4(lut + m * row + r0[m] * kLanes);
+      a1 += load4(lut + m * row + r1[m] * kLanes);
+    }
+    store4(scores + i * kLanes, a0 + b0);
+    store4(scores + (i + 1) * kLanes, a1 + b1);
+  }
+  if (i < n) {
+    const uint8_t* r0 = codes + i * subspaces;
+    v4 a0 = {0, 0, 0, 0};
+    for (int64_t m = 0; m < subspaces; ++m) a0 += load4(lut + m * row + r0[m] * kLanes);
+    store4(scores + i * kLanes, a0);
+  }
+}
+
+// One task: tokens [lo, hi) of row b, kv head k, query-head block nb -> out [4 D], lse [4].
+void run_task(const Problem& p, int64_t task, std::vector<float>& bins, std::vector<float>& scratch) {
+  const int64_t s = task % p.splits;
+  const int64_t nb = (task / p.splits) % p.blocks;
+  const int64_t k = (task / (p.splits * p.blocks)) % p.kv_heads;
+  const int64_t b = task / (p.splits * p.blocks * p.kv_heads);
+  const int64_t length = std::clamp<int64_t>(p.lengths[b], 0, p.capacity);
+  const int64_t lo = length * s / p.splits, hi = length * (s + 1) / p.splits;
+  const int64_t M = p.subspaces, C = p.centroids, ds = p.sub_dim, D = M * ds;
+  const float* lut = p.lut + (((b * p.kv_heads + k) * p.blocks + nb) * M * C * kLanes);
+  const int64_t code_base = (b * p.kv_heads + k) * p.capacity * M;
+  const float* cent = p.v_cent + (p.cent_heads > 1 ? k : 0) * M * C * ds;
+  float* out = p.out + task * kLanes * D;
+  float* lse = p.lse + task * kLanes;
+
+  const float inf = std::numeric_limits<float>::infinity();
+  std::fill(bins.begin(), bins.end(), 0.0f);
+  v4 run_max = {-inf, -inf, -inf, -inf}, run_sum = {0, 0, 0, 0};
+  float* scores = scratch.data();
+  for (int64_t t0 = lo; t0 < hi; t0 += kChunk) {
+    const int64_t n = std::min(kChunk, hi - t0);
+    chunk_scores(lut, p.k_codes + code_base + t0 * M, n, M, C, scores);
+    v4 peak = run_max;
+    for (int64_t i = 0; i < n; ++i) peak = max4(peak, load4(scores + i * kLanes));
+    bool grew = false;  // a lane's running max moved: rescale what was summed so far
+    for (int64_t g = 0; g < kLanes; ++g) grew |= peak[g] > run_max[g];
+    if (grew && t0 > lo) {
+      v4 factor;
+      for (int64_t g = 0; g < kLanes; ++g) factor[g] = std::exp(run_max[g] - peak[g]);
+      run_sum *= factor;
+      for (int64_t e = 0; e < M * C; ++e) store4(bins.data() + e * kLanes, load4(bins.data() + e * kLanes) * factor);
+    }
+    run_max = peak;
+    for (int64_t i = 0; i < n; ++i) store4(scores + i * kLanes, exp4(load4(scores + i * kLanes) - peak));
+    const uint8_t* codes = p.v_codes + code_base + t0 * M;
+    float* hist = bins.data();
+    for (int64_t i = 0; i < n; ++i) {
+      const v4 w = load4(scores + i * kLanes);
+      run_sum += w;
+      const uint8_t* r = codes + i * M;
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) {
+        uint64_t packed;
+        std::memcpy(&packed, r + m, 8);
+        for (int64_t u = 0; u < 8; ++u) {
+          float* bin = hist + ((m + u) * C + ((packed >> (8 * u)) & 255)) * kLanes;
+          store4(bin, load4(bin) + w);
+        }
+      }
+      for (; m < M; ++m) {
+        float* bin = hist + (m * C + r[m]) * kLanes;
+        store4(bin, load4(bin) + w);
+      }
+    }
+  }
+  for (int64_t g = 0; g < kLanes; ++g) {
+    const bool seen = run_sum[g] > 0.0f;
+    lse[g] = seen ? run_max[g] + std::log(run_sum[g]) : -inf;
+  }
+  const v4 inv = run_sum > 0.0f ? 1.0f / run_sum : v4{0, 0, 0, 0};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t j = 0; j < ds; ++j) {
+      v4 acc = {0, 0, 0, 0};
+      const float* bin = bins.data() + m * C * kLanes;
+      const float* c = cent + m * C * ds + j;
+      for (int64_t e = 0; e < C; ++e) acc += load4(bin + e * kLanes) * c[e * ds];
+      acc *= inv;
+      for (int64_t g = 0; g < kLanes; ++g) out[g * D + m * ds + j] = acc[g];
+    }
+  }
+}
+
+// Tasks shared between the calling thread and helpers on the pool. A helper that starts after the
+// last task was claimed touches only this state (kept alive by its shared_ptr).
+struct TaskQueue {
+  Problem problem;
+  int64_t tasks;
+  std::atomic<int64_t> next{0};
+  int64_t done = 0;
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  void work() {
+    // Per-thread buffers kept between calls: a fresh 128 KiB histogram per call would be mmap'ed,
+    // faulted in and unmapped every layer.
+    thread_local std::vector<float> bins, scratch;
+    int64_t finished = 0;
+    for (int64_t t; (t = next.fetch_add(1)) < tasks; ++finished) {
+      bins.resize(problem.subspaces * problem.centroids * kLanes);
+      scratch.resize(kChunk * kLanes);
+      run_task(problem, t, bins, scratch);
+    }
+    if (finished) {
+      std::lock_guard<std::mutex> lock(mu);
+      done += finished;
+      if (done == tasks) all_done.notify_all();
+    }
+  }
+};
+
+ffi::Error PqCodedPartialsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> lut, ffi::Buffer<ffi::U8> k_codes,
+                               ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_cent,
+                               ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::ResultBuffer<ffi::F32> lse) {
+  const auto ld = lut.dimensions(), cd = k_codes.dimensions(), vd = v_cent.dimensions(), od = out->dimensions();
+  if (ld.size() != 6 || cd.size() != 4 || vd.size() != 4 || od.size() != 6 || ld[5] != kLanes) {
+    return ffi::Error::InvalidArgument("pq_coded_partials: unexpected operand ranks");
+  }
+  auto queue = std::make_shared<TaskQueue>();
+  queue->problem = Problem{lut.typed_data(), k_codes.typed_data(), v_codes.typed_data(), v_cent.typed_data(),
+                           lengths.typed_data(), out->typed_data(), lse->typed_data(),
+                           ld[0], ld[1], ld[2], ld[3], ld[4], cd[2], vd[0], vd[3], od[3]};
+  queue->tasks = ld[0] * ld[1] * ld[2] * od[3];
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), queue->tasks) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([queue] { queue->work(); });
+  queue->work();
+  std::unique_lock<std::mutex> lock(queue->mu);
+  queue->all_done.wait(lock, [&] { return queue->done == queue->tasks; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PqCodedPartials, PqCodedPartialsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
