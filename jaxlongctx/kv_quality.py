@@ -34,10 +34,12 @@ def kv_transform(
         if codebooks is None:
             raise ValueError("kv kind 'pq' needs codebooks")
         k_cent, v_cent = codebooks.stacked()  # [L, (K,) M, C, ds]
+        k_w, v_w = codebooks.stacked_weights()  # [L, (K,) D] or None
 
         def pq(k, v, layer):  # per-head centroids need [..., K, T, D]
-            k = fake_quantize(k.transpose(0, 2, 1, 3), k_cent[layer]).transpose(0, 2, 1, 3)
-            v = fake_quantize(v.transpose(0, 2, 1, 3), v_cent[layer]).transpose(0, 2, 1, 3)
+            kw, vw = (None, None) if k_w is None else (k_w[layer], v_w[layer])
+            k = fake_quantize(k.transpose(0, 2, 1, 3), k_cent[layer], kw).transpose(0, 2, 1, 3)
+            v = fake_quantize(v.transpose(0, 2, 1, 3), v_cent[layer], vw).transpose(0, 2, 1, 3)
             return k, v
 
         return pq

@@ -135,6 +135,11 @@ def check_pq_model(model: Any, codebooks: Any, window: int) -> int:
     if codebooks is None:
         raise ValueError("kv_cache='pq' needs codebooks= (see `jaxlongctx calibrate` and load_codebooks)")
     check_codebooks(model, codebooks)
+    if codebooks.weighted:
+        raise ValueError(
+            "these codebooks weight channels (calibrated with --weighting attention); the PQ cache "
+            "does not apply encode weights yet, so generate with codebooks calibrated without weighting"
+        )
     return check_positive_int(window, "pq_window")
 
 

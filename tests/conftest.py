@@ -26,6 +26,15 @@ def hf_family_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    """SmolLM2-135M-Instruct (the shipped GGUF) in float32, loaded once per session."""
+    import jaxlongctx
+    from jaxlongctx.pretrained import smollm2_gguf
+
+    return jaxlongctx.load(smollm2_gguf(), "fp32")
+
+
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request) -> str:
     """Every supported model family."""

@@ -13,6 +13,7 @@ import numpy as np
 from jaxlongctx.cli_options import add_model_argument
 from jaxlongctx.data.tokenizer import encode_corpus
 from jaxlongctx.kvcache.calibrate import calibrate
+from jaxlongctx.kvcache.channel_weights import WEIGHTINGS
 from jaxlongctx.kvcache.codebooks import GRANULARITIES, save_codebooks
 from jaxlongctx.loading import load
 from jaxlongctx.output_dir import check_output
@@ -47,6 +48,14 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         default=1e-3,
         help="stop k-means once the total error falls by at most this fraction in an "
         "iteration (default 1e-3; 0 runs every --iters)",
+    )
+    parser.add_argument(
+        "--weighting",
+        choices=WEIGHTINGS,
+        default="none",
+        help="attention: weight each channel by its effect on attention in k-means and encoding "
+        "(query second moments for keys, W_o row norms for values); measured by eval-ppl --kv pq, "
+        "not yet usable by PQ generation (default none)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -83,6 +92,7 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
         source=source,
         points_per_centroid=args.points_per_centroid,
         tol=args.tol,
+        weighting=args.weighting,
     )
     path = save_codebooks(cb, args.out, overwrite=args.overwrite, inputs=(args.model, args.text))
     summary = {"out": str(path), "ds": cb.ds, "bits": cb.bits, "granularity": cb.granularity, **cb.metadata}

@@ -16,6 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxlongctx.kvcache.channel_weights import (
+    WEIGHTINGS,
+    Weighting,
+    attention_weights,
+    query_second_moments,
+)
 from jaxlongctx.kvcache.codebooks import (
     GRANULARITIES,
     Codebooks,
@@ -113,13 +119,24 @@ def calibrate(
     source: str = "",
     points_per_centroid: int = 256,
     tol: float = 0.0,
+    weighting: Weighting = "none",
 ) -> Codebooks:
-    """Codebooks for `model` from its post-RoPE K/V over `token_stream` (keep it apart from evaluation text)."""
+    """Codebooks for `model` from its post-RoPE K/V over `token_stream` (keep it apart from evaluation text).
+
+    `weighting="attention"` weights each channel by its effect on attention (`channel_weights`): the
+    query second moments for keys, the W_o row norms for values."""
     if not isinstance(model, Model):
         raise ValueError(f"calibrate needs a full-attention jaxlongctx Model, got {type(model).__name__}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
     keys, values = collect_kv(model, token_stream, seq_len, max_tokens, progress=progress)
+    weights = {}
+    if weighting == "attention":
+        used = np.asarray(token_stream, np.int32).reshape(-1)[: keys.shape[1]]  # the windows collect_kv read
+        moments = query_second_moments(model, used.reshape(-1, seq_len), progress=progress)
+        weights = dict(zip(("key_weights", "value_weights"), attention_weights(model, moments, granularity)))
     per_problem = (
         keys.shape[1]
         * {"shared": keys.shape[0] * keys.shape[2], "layer": keys.shape[2], "layer_head": 1}[granularity]
@@ -141,6 +158,7 @@ def calibrate(
         model_fingerprint=model_fingerprint(model),
         points_per_centroid=points_per_centroid,
         tol=tol,
+        **weights,
     )
     meta = {**cb.metadata, "calibration_tokens": int(keys.shape[1]), "seq_len": seq_len, "seed": seed}
     if source:

@@ -52,6 +52,12 @@ def centroid_shape(
     raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
 
 
+def weight_shape(granularity: str, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """Shape of the per-channel encode weights for a granularity: [D], [L, D] or [L, K, D]."""
+    lead = centroid_shape(granularity, num_layers, num_kv_heads, head_dim, head_dim, 1)[:-3]
+    return (*lead, head_dim)
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class Codebooks:
@@ -62,7 +68,9 @@ class Codebooks:
       "layer"      [L, M, C, ds]
       "layer_head" [L, K, M, C, ds]
     with M = head_dim // ds and C = 2**bits. metadata holds JSON scalars, including
-    "model_fingerprint". Arrays are pytree leaves; everything else is static.
+    "model_fingerprint". key_weights / value_weights (optional, `weight_shape`: [D], [L, D] or
+    [L, K, D]) weight each channel's squared error when encoding (see `pq_codec.encode`); None means
+    plain squared L2. Arrays are pytree leaves; everything else is static.
     """
 
     key_centroids: jax.Array
@@ -74,6 +82,8 @@ class Codebooks:
     num_layers: int
     num_kv_heads: int
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    key_weights: jax.Array | None = None
+    value_weights: jax.Array | None = None
 
     def __post_init__(self) -> None:
         _check_bits(self.bits)
@@ -91,6 +101,13 @@ class Codebooks:
             if got != want:
                 raise ValueError(
                     f"{name} has shape {got}, expected {want} for granularity={self.granularity!r}"
+                )
+        want_w = weight_shape(self.granularity, self.num_layers, self.num_kv_heads, self.head_dim)
+        for name in ("key_weights", "value_weights"):
+            w = getattr(self, name)
+            if w is not None and tuple(w.shape) != want_w:
+                raise ValueError(
+                    f"{name} has shape {tuple(w.shape)}, expected {want_w} for granularity={self.granularity!r}"
                 )
 
     @property
@@ -123,13 +140,28 @@ class Codebooks:
             return jnp.broadcast_to(self.key_centroids, shape), jnp.broadcast_to(self.value_centroids, shape)
         return self.key_centroids, self.value_centroids
 
-    def tree_flatten(self) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, ...]]:
+    @property
+    def weighted(self) -> bool:
+        """Whether encoding weights channels (key_weights / value_weights are set)."""
+        return self.key_weights is not None
+
+    def stacked_weights(self) -> tuple[jax.Array | None, jax.Array | None]:
+        """(key, value) encode weights with a leading layer axis: [L, D] or [L, K, D]; (None, None) if unweighted."""
+        if not self.weighted:
+            return None, None
+        if self.granularity == "shared":
+            shape = (self.num_layers, self.head_dim)
+            return jnp.broadcast_to(self.key_weights, shape), jnp.broadcast_to(self.value_weights, shape)
+        return self.key_weights, self.value_weights
+
+    def tree_flatten(self) -> tuple[tuple[jax.Array | None, ...], tuple[Any, ...]]:
         """Pytree protocol: arrays are leaves, the rest (with metadata as sorted items) is static."""
         static = (self.granularity, self.ds, self.bits, self.head_dim, self.num_layers, self.num_kv_heads)
-        return (self.key_centroids, self.value_centroids), (*static, tuple(sorted(self.metadata.items())))
+        leaves = (self.key_centroids, self.value_centroids, self.key_weights, self.value_weights)
+        return leaves, (*static, tuple(sorted(self.metadata.items())))
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[Any, ...], leaves: tuple[jax.Array, jax.Array]) -> Codebooks:
+    def tree_unflatten(cls, aux: tuple[Any, ...], leaves: tuple[jax.Array | None, ...]) -> Codebooks:
         """Pytree protocol (skips validation: leaves may be tracers or placeholders)."""
         obj = object.__new__(cls)
         names = ("granularity", "ds", "bits", "head_dim", "num_layers", "num_kv_heads")
@@ -138,6 +170,8 @@ class Codebooks:
         object.__setattr__(obj, "metadata", dict(aux[-1]))
         object.__setattr__(obj, "key_centroids", leaves[0])
         object.__setattr__(obj, "value_centroids", leaves[1])
+        object.__setattr__(obj, "key_weights", leaves[2])
+        object.__setattr__(obj, "value_weights", leaves[3])
         return obj
 
 
@@ -167,10 +201,14 @@ def train_codebooks(
     model_fingerprint: str = "",
     points_per_centroid: int = 256,
     tol: float = 0.0,
+    key_weights: jax.Array | None = None,
+    value_weights: jax.Array | None = None,
 ) -> Codebooks:
     """k-means codebooks from calibration keys (post-RoPE) and values, both [L, N, K, D]; each k-means
     problem keeps at most `points_per_centroid` * 2**bits sampled vectors and stops early at `tol`
-    (see `kmeans`)."""
+    (see `kmeans`). With per-channel `key_weights` / `value_weights` (`weight_shape`, both or neither)
+    the k-means is weighted: it runs on the vectors scaled by sqrt(weight), and the centroids are
+    scaled back."""
     keys, values = jnp.asarray(keys), jnp.asarray(values)
     if keys.ndim != 4:
         raise ValueError(f"keys must have shape [L, N, K, D], got {keys.shape}")
@@ -182,7 +220,13 @@ def train_codebooks(
     num_layers, _, num_kv_heads, head_dim = keys.shape
     _check_ds(ds, head_dim)
     shape = centroid_shape(granularity, num_layers, num_kv_heads, head_dim, ds, bits)
-    problems = jnp.concatenate([_problems(keys, granularity, ds), _problems(values, granularity, ds)])
+    if (key_weights is None) != (value_weights is None):
+        raise ValueError("give both key_weights and value_weights, or neither")
+    k_scale = _channel_scale(key_weights, granularity, keys.shape)
+    v_scale = _channel_scale(value_weights, granularity, keys.shape)
+    problems = jnp.concatenate(
+        [_problems(keys * k_scale, granularity, ds), _problems(values * v_scale, granularity, ds)]
+    )
     cent, history = kmeans(
         problems,
         2**bits,
@@ -207,16 +251,42 @@ def train_codebooks(
         "value_mse": float(final[half:].mean()),
     }
     return Codebooks(
-        key_centroids=cent[:half].reshape(shape),
-        value_centroids=cent[half:].reshape(shape),
+        key_centroids=_unscale_centroids(cent[:half].reshape(shape), k_scale, granularity),
+        value_centroids=_unscale_centroids(cent[half:].reshape(shape), v_scale, granularity),
         granularity=granularity,
         ds=ds,
         bits=bits,
         head_dim=head_dim,
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
-        metadata=metadata,
+        metadata={**metadata, "weighted": key_weights is not None},
+        key_weights=None if key_weights is None else jnp.asarray(key_weights, jnp.float32),
+        value_weights=None if value_weights is None else jnp.asarray(value_weights, jnp.float32),
     )
+
+
+def _channel_scale(weights: jax.Array | None, granularity: str, x_shape: tuple[int, ...]) -> jax.Array:
+    """sqrt(weights) broadcastable to calibration vectors [L, N, K, D] (1.0 without weights)."""
+    if weights is None:
+        return jnp.ones((), jnp.float32)
+    num_layers, _, num_kv_heads, head_dim = x_shape
+    weights = jnp.asarray(weights, jnp.float32)
+    want = weight_shape(granularity, num_layers, num_kv_heads, head_dim)
+    if weights.shape != want:
+        raise ValueError(f"channel weights must have shape {want} for {granularity!r}, got {weights.shape}")
+    if not bool(jnp.all(weights > 0)):
+        raise ValueError("channel weights must be positive")
+    scale = jnp.sqrt(weights)
+    return {"shared": scale, "layer": scale[:, None, None], "layer_head": scale[:, None]}[granularity]
+
+
+def _unscale_centroids(cent: jax.Array, scale: jax.Array, granularity: str) -> jax.Array:
+    """Centroids [..., M, C, ds] trained on scaled vectors, back in the vectors' own space."""
+    if scale.ndim == 0:
+        return cent
+    per_problem = {"shared": scale, "layer": scale[:, 0, 0], "layer_head": scale[:, 0]}[granularity]
+    m, _, ds = cent.shape[-3:]
+    return cent / per_problem.reshape(*per_problem.shape[:-1], m, 1, ds)
 
 
 def _static_fields(cb: Codebooks) -> dict[str, Any]:
@@ -247,6 +317,8 @@ def save_codebooks(
             "key_centroids": np.asarray(cb.key_centroids),
             "value_centroids": np.asarray(cb.value_centroids),
         }
+        if cb.weighted:
+            arrays.update(key_weights=np.asarray(cb.key_weights), value_weights=np.asarray(cb.value_weights))
         with ocp.PyTreeCheckpointer() as ckptr:
             ckptr.save(tmp / _ARRAYS_DIR, arrays)
         (tmp / _META_FILE).write_text(json.dumps(_static_fields(cb), indent=2) + "\n")
@@ -255,8 +327,9 @@ def save_codebooks(
 
 def check_finite_centroids(cb: Codebooks, where: str) -> None:
     """Refuse codebooks with a NaN or infinite centroid (they would turn every attention score into NaN)."""
-    for name in ("key_centroids", "value_centroids"):
-        if not bool(np.isfinite(np.asarray(getattr(cb, name), np.float32)).all()):
+    for name in ("key_centroids", "value_centroids", "key_weights", "value_weights"):
+        array = getattr(cb, name)
+        if array is not None and not bool(np.isfinite(np.asarray(array, np.float32)).all()):
             raise ValueError(f"codebooks at {where}: {name} holds non-finite values")
 
 
@@ -307,8 +380,12 @@ def load_codebooks(path: str | Path, expected_fingerprint: str | None = None) ->
             arrays = ckptr.restore(path / _ARRAYS_DIR)
     except Exception as e:  # orbax/tensorstore raise many types for damaged files
         raise ValueError(f"codebooks at {path}: cannot read {_ARRAYS_DIR}/ ({type(e).__name__}: {e})") from e
-    if not isinstance(arrays, dict) or set(arrays) != {"key_centroids", "value_centroids"}:
-        raise ValueError(f"codebooks at {path}: {_ARRAYS_DIR}/ must hold key_centroids and value_centroids")
+    plain, weights = {"key_centroids", "value_centroids"}, {"key_weights", "value_weights"}
+    if not isinstance(arrays, dict) or set(arrays) not in (plain, plain | weights):
+        raise ValueError(
+            f"codebooks at {path}: {_ARRAYS_DIR}/ must hold key_centroids and value_centroids "
+            "(and key_weights with value_weights, or neither)"
+        )
     try:
         cb = Codebooks(
             key_centroids=jnp.asarray(arrays["key_centroids"], jnp.float32),
@@ -320,6 +397,7 @@ def load_codebooks(path: str | Path, expected_fingerprint: str | None = None) ->
             num_layers=int(meta["num_layers"]),
             num_kv_heads=int(meta["num_kv_heads"]),
             metadata=dict(meta["metadata"]),
+            **{name: jnp.asarray(arrays[name], jnp.float32) for name in weights if name in arrays},
         )
     except ValueError as e:
         raise ValueError(f"codebooks at {path} do not match {_META_FILE}: {e}") from e

@@ -52,8 +52,19 @@ def _encode_rows(x: jax.Array, centroids: jax.Array, rows: int) -> jax.Array:
     return jax.lax.map(block, xs).reshape(steps * rows, m)[:n]
 
 
-def encode(x: jax.Array, centroids: jax.Array, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> jax.Array:
-    """Nearest centroid per subspace: x[..., D] -> codes[..., M] uint8 (layouts: module docstring)."""
+def encode(
+    x: jax.Array,
+    centroids: jax.Array,
+    weights: jax.Array | None = None,
+    *,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+) -> jax.Array:
+    """Nearest centroid per subspace: x[..., D] -> codes[..., M] uint8 (layouts: module docstring).
+
+    `weights` (positive, per channel: [D] with shared centroids, [K, D] with per-head ones) make the
+    distance sum_j w_j (x_j - c_j)^2: nearest in the space scaled by sqrt(w), where weighted k-means
+    trained the centroids.
+    """
     x = jnp.asarray(x)
     centroids = jnp.asarray(centroids, jnp.float32)
     m, _c, ds = _check(x.shape, centroids, "x")
@@ -63,7 +74,23 @@ def encode(x: jax.Array, centroids: jax.Array, *, chunk_elems: int = DEFAULT_CHU
         )
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
-    return _encode_jit(x.astype(jnp.float32), centroids, chunk_elems)
+    x = x.astype(jnp.float32)
+    if weights is not None:
+        x, centroids = _scale_by_weights(x, centroids, jnp.asarray(weights, jnp.float32))
+    return _encode_jit(x, centroids, chunk_elems)
+
+
+def _scale_by_weights(x: jax.Array, centroids: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x and centroids scaled per channel by sqrt(weights) ([D] or [K, D], matching the centroids)."""
+    want = centroids.shape[:-3] + (x.shape[-1],)
+    if weights.shape != want:
+        raise ValueError(
+            f"weights must have shape {want} for centroids {centroids.shape}, got {weights.shape}"
+        )
+    scale = jnp.sqrt(weights)
+    m, _, ds = centroids.shape[-3:]
+    scaled_centroids = centroids * scale.reshape(*scale.shape[:-1], m, 1, ds)
+    return x * (scale if scale.ndim == 1 else scale[:, None, :]), scaled_centroids
 
 
 @partial(jax.jit, static_argnames="chunk_elems")
@@ -113,7 +140,7 @@ def _decode_jit(codes: jax.Array, centroids: jax.Array) -> jax.Array:
     return jnp.moveaxis(out.reshape(*heads_first.shape[:-1], m * ds), 0, -3)
 
 
-def fake_quantize(x: jax.Array, centroids: jax.Array) -> jax.Array:
+def fake_quantize(x: jax.Array, centroids: jax.Array, weights: jax.Array | None = None) -> jax.Array:
     """decode(encode(x)) in x's dtype: what attention sees from a PQ cache."""
     x = jnp.asarray(x)
-    return decode(encode(x, centroids), centroids).astype(x.dtype)
+    return decode(encode(x, centroids, weights), centroids).astype(x.dtype)

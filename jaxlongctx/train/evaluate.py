@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from jaxlongctx.armt.segments import grid_starts
 from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, code_split_by_starts, held_out_batch
 from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
+from jaxlongctx.kvcache.exact_window import recent_exact_attention
 from jaxlongctx.model.attention import causal_prefill_attention
 from jaxlongctx.model.layers import DecoderLayer
 from jaxlongctx.model.llama import Llama, positions_from_mask
@@ -31,26 +32,40 @@ KVTransform = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray], tuple[jnp.ndarra
 
 
 def forward_with_kv_transform(
-    model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, kv_transform: KVTransform | None = None
+    model: Llama,
+    ids: jnp.ndarray,
+    mask: jnp.ndarray,
+    kv_transform: KVTransform | None = None,
+    exact_recent: int = 0,
 ) -> jnp.ndarray:
-    """Logits `[B, T, V]` of the full causal forward, with `kv_transform` applied to post-RoPE k/v."""
+    """Logits `[B, T, V]` of the full causal forward, with `kv_transform` applied to post-RoPE k/v; with
+    `exact_recent` > 0 each query still reads its last `exact_recent` keys (its own included) exactly."""
     cos, sin = model.rope(positions_from_mask(mask))
 
     def body(layer: DecoderLayer, h, index):
         q, k, v = layer.project_qkv(h, cos, sin)
-        if kv_transform is not None:
-            k, v = kv_transform(k, v, index)
-        return layer.finish(h, causal_prefill_attention(q, k, v, mask)), None
+        if kv_transform is None:
+            return layer.finish(h, causal_prefill_attention(q, k, v, mask)), None
+        k_quant, v_quant = kv_transform(k, v, index)
+        if exact_recent > 0:
+            return layer.finish(
+                h, recent_exact_attention(q, k, v, k_quant, v_quant, mask, exact_recent)
+            ), None
+        return layer.finish(h, causal_prefill_attention(q, k_quant, v_quant, mask)), None
 
     h, _ = model.scan_layers(body, model.embed_ids(ids), jnp.arange(model.config.num_layers))
     return model.head(h)
 
 
 def token_nll(
-    model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, kv_transform: KVTransform | None = None
+    model: Llama,
+    ids: jnp.ndarray,
+    mask: jnp.ndarray,
+    kv_transform: KVTransform | None = None,
+    exact_recent: int = 0,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Summed next-token NLL and number of predicted tokens for windows ids/mask `[B, T+1]`."""
-    logits = forward_with_kv_transform(model, ids[:, :-1], mask[:, :-1], kv_transform)
+    logits = forward_with_kv_transform(model, ids[:, :-1], mask[:, :-1], kv_transform, exact_recent)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
     weight = mask[:, 1:].astype(jnp.float32)
     return jnp.sum(nll * weight), jnp.sum(weight)
@@ -62,8 +77,10 @@ def perplexity(
     context: int,
     batch_size: int = 8,
     kv_transform: KVTransform | None = None,
+    exact_recent: int = 0,
 ) -> dict[str, float]:
-    """Mean NLL (nats/token) and perplexity over every token of `tokens`, in windows of `context`."""
+    """Mean NLL (nats/token) and perplexity over every token of `tokens`, in windows of `context`
+    (`kv_transform` and `exact_recent`: see `forward_with_kv_transform`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     tokens = np.asarray(tokens)
@@ -74,7 +91,9 @@ def perplexity(
         )
     windows = eval_windows(tokens, context)
     graphdef, params = nnx.split(module)
-    step = jax.jit(lambda p, ids, mask: token_nll(nnx.merge(graphdef, p), ids, mask, kv_transform))
+    step = jax.jit(
+        lambda p, ids, mask: token_nll(nnx.merge(graphdef, p), ids, mask, kv_transform, exact_recent)
+    )
     total, count = 0.0, 0.0
     n = windows["ids"].shape[0]
     for start in range(0, n, batch_size):

@@ -1,0 +1,171 @@
+"""PQ KV cache on the real model (SmolLM2): calibration, attention-weighted codebooks, exact tokens
+(recent window, sinks), the chat retrieval set and answers over a quantized prompt cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlongctx.cache_choice import PQKV, DenseKV
+from jaxlongctx.data.chat_retrieval import retrieval_set
+from jaxlongctx.data.tokenizer import encode_corpus
+from jaxlongctx.generate import generate
+from jaxlongctx.kv_quality import kv_transform
+from jaxlongctx.kv_retrieval import PromptCache, answer
+from jaxlongctx.kvcache.calibrate import calibrate
+from jaxlongctx.kvcache.codebooks import load_codebooks, save_codebooks, train_codebooks
+from jaxlongctx.kvcache.exact_window import keep_sinks_exact, recent_exact_attention
+from jaxlongctx.kvcache.pq_codec import encode
+from jaxlongctx.model.attention import causal_prefill_attention
+from jaxlongctx.sampling import SamplingParams
+
+
+def _small_calibration(model, weighting="none"):
+    return calibrate(
+        model,
+        encode_corpus("calibration", model.tokenizer),
+        ds=4,
+        bits=4,
+        granularity="layer",
+        iters=3,
+        seq_len=128,
+        max_tokens=256,
+        points_per_centroid=16,
+        weighting=weighting,
+    )
+
+
+@pytest.fixture(scope="module")
+def weighted_codebooks(smollm2_fp32):
+    return _small_calibration(smollm2_fp32, "attention")
+
+
+def test_calibration_on_real_text_is_deterministic_and_round_trips(
+    smollm2_fp32, weighted_codebooks, tmp_path
+):
+    a, b = weighted_codebooks, _small_calibration(smollm2_fp32, "attention")
+    for name in ("key_centroids", "value_centroids", "key_weights", "value_weights"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert a.weighted and a.metadata["calibration_tokens"] == 256
+    back = load_codebooks(save_codebooks(a, tmp_path / "cb"), expected_fingerprint=a.model_fingerprint)
+    for name in ("key_centroids", "value_centroids", "key_weights", "value_weights"):
+        want, got = getattr(a, name), getattr(back, name)
+        assert (want is None) == (got is None)
+        if want is not None:
+            np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+    assert back.metadata == a.metadata
+
+
+def test_pq_generation_with_a_full_exact_window_equals_dense_greedy(smollm2_fp32):
+    model = smollm2_fp32
+    cb = _small_calibration(model)
+    ids = np.asarray(model.tokenizer.encode("The capital of France is", add_special_tokens=False).ids)[None]
+    params = SamplingParams(6)
+    dense = generate(model, ids, params, cache=DenseKV())
+    exact = generate(model, ids, params, cache=PQKV(cb, window=64, keep_prompt_tail_exact=True))
+    np.testing.assert_array_equal(dense, exact)
+
+
+def test_retrieval_set_is_deterministic_and_fits_its_context(smollm2_fp32):
+    tok = smollm2_fp32.tokenizer
+    a, b = retrieval_set(tok, 3, 1024), retrieval_set(tok, 3, 1024)
+    assert [x.seed for x in a] == [x.seed for x in b] and len({x.seed for x in a}) == 3
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.prompt, y.prompt)
+        np.testing.assert_array_equal(x.answer_prefix, y.answer_prefix)
+        assert x.answer == y.answer and x.prompt.size + x.answer_prefix.size + 4 <= 1024
+        assert tok.decode([int(t) for t in x.answer_ids]) == x.answer
+        assert "What is the code of the" in tok.decode([int(t) for t in x.prompt])
+    assert [x.depth for x in a] == [0.1, 0.3, 0.5]
+    later = retrieval_set(tok, 1, 1024, first_index=3)[0]
+    assert later.seed not in {x.seed for x in a}
+
+
+@pytest.mark.slow
+def test_dense_answer_over_prompt_cache_equals_greedy_generation(smollm2_fp32):
+    model = smollm2_fp32
+    item = retrieval_set(model.tokenizer, 1, 512)[0]
+    cache = PromptCache(model, item.prompt, 512)
+    digits = answer(model, cache, item, None)
+    prompt = np.concatenate([item.prompt, item.answer_prefix])[None]
+    greedy = generate(model, prompt, SamplingParams(4), cache=DenseKV())[0, prompt.shape[1] :]
+    np.testing.assert_array_equal(digits, greedy)
+    # an identity transform takes the quantized-cache path and must answer the same
+    np.testing.assert_array_equal(answer(model, cache, item, lambda k, v, layer: (k, v)), digits)
+
+
+def test_weighted_encode_is_the_weighted_nearest_centroid():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(50, 8)).astype(np.float32)
+    cent = rng.normal(size=(4, 16, 2)).astype(np.float32)  # M=4, C=16, ds=2
+    w = rng.uniform(0.05, 20.0, size=8).astype(np.float32)
+    codes = np.asarray(encode(x, cent, w))
+    d = (x.reshape(50, 4, 1, 2) - cent[None]) ** 2 * w.reshape(1, 4, 1, 2)
+    np.testing.assert_array_equal(codes, d.sum(-1).argmin(-1))
+    assert not np.array_equal(codes, np.asarray(encode(x, cent)))  # the weights matter here
+
+
+def test_weighted_training_with_uniform_weights_is_plain_training():
+    rng = np.random.default_rng(1)
+    keys = jnp.asarray(rng.normal(size=(2, 64, 1, 4)), jnp.float32)
+    values = jnp.asarray(rng.normal(size=(2, 64, 1, 4)), jnp.float32)
+    kw = dict(ds=2, bits=3, granularity="layer", iters=2, key=jax.random.key(0), progress=False)
+    plain = train_codebooks(keys, values, **kw)
+    ones = jnp.full((2, 4), 4.0)  # a uniform scale changes no distance order
+    weighted = train_codebooks(keys, values, **kw, key_weights=ones, value_weights=ones)
+    np.testing.assert_allclose(weighted.key_centroids, plain.key_centroids, rtol=1e-5, atol=1e-6)
+    assert weighted.weighted and not plain.weighted
+    with pytest.raises(ValueError, match="both key_weights and value_weights"):
+        train_codebooks(keys, values, **kw, key_weights=ones)
+    with pytest.raises(ValueError, match="shape"):
+        train_codebooks(keys, values, **kw, key_weights=jnp.ones(4), value_weights=jnp.ones(4))
+
+
+def test_recent_exact_attention_between_all_quantized_and_all_exact():
+    rng = np.random.default_rng(2)
+    b, t, h, kv, hd = 2, 24, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, hd)), jnp.float32) for n in (h, kv, kv))
+    kq, vq = k + 0.3, v - 0.2
+    valid = jnp.asarray(np.arange(t)[None] < np.array([[t], [t - 5]]))
+    exact = causal_prefill_attention(q, k, v, valid)
+    quant = causal_prefill_attention(q, kq, vq, valid)
+    np.testing.assert_allclose(recent_exact_attention(q, k, v, kq, vq, valid, t, 16), exact, atol=1e-5)
+    np.testing.assert_allclose(recent_exact_attention(q, k, v, kq, vq, valid, 0, 16), quant, atol=1e-5)
+    # a window of 1: query s reads its own key exactly, the earlier ones quantized
+    mixed = np.asarray(recent_exact_attention(q, k, v, kq, vq, valid, 1, 16))
+    s = 7
+    keys = jnp.concatenate([kq[:, :s], k[:, s : s + 1]], axis=1)
+    vals = jnp.concatenate([vq[:, :s], v[:, s : s + 1]], axis=1)
+    one = causal_prefill_attention(q[:, : s + 1], keys, vals, valid[:, : s + 1])[:, s]
+    np.testing.assert_allclose(mixed[:, s], one, atol=1e-5)
+
+
+def test_sinks_stay_exact():
+    rng = np.random.default_rng(3)
+    k, v = (jnp.asarray(rng.normal(size=(1, 10, 2, 4)), jnp.float32) for _ in range(2))
+    shifted = keep_sinks_exact(lambda k, v, layer: (k + 1.0, v - 1.0), 3)
+    kq, vq = shifted(k, v, 0)
+    np.testing.assert_array_equal(kq[:, :3], k[:, :3])
+    np.testing.assert_array_equal(vq[:, 3:], v[:, 3:] - 1.0)
+    with pytest.raises(ValueError, match="sinks"):
+        keep_sinks_exact(shifted, -1)
+
+
+def test_weighted_codebooks_quantize_through_kv_transform(weighted_codebooks):
+    cb = weighted_codebooks
+    rng = np.random.default_rng(4)
+    k = jnp.asarray(rng.normal(size=(1, 5, 3, 64)), jnp.float32)
+    kq, _ = kv_transform("pq", cb)(k, k, 2)
+    k_w = cb.stacked_weights()[0][2]
+    from jaxlongctx.kvcache.pq_codec import decode
+
+    codes = encode(k.transpose(0, 2, 1, 3), cb.key_centroids[2], k_w)
+    np.testing.assert_allclose(kq, decode(codes, cb.key_centroids[2]).transpose(0, 2, 1, 3), atol=1e-6)
+
+
+def test_pq_generation_refuses_weighted_codebooks(smollm2_fp32, weighted_codebooks):
+    ids = np.asarray([[1, 2, 3]])
+    with pytest.raises(ValueError, match="weight channels"):
+        generate(smollm2_fp32, ids, SamplingParams(2), cache=PQKV(weighted_codebooks))
