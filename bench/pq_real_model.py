@@ -1,0 +1,493 @@
+"""PQ KV-cache quality on SmolLM2-135M-Instruct at equal bits: perplexity and 8K-context retrieval.
+
+Perplexity (`--part ppl`): validation split, windows of 2K and 8K tokens, every token's post-RoPE K/V
+quantized in every layer, for dense, the KIVI-style uniform baseline (int4/int2, groups of 128, with
+and without an exact recent window) and PQ (ds 2 and 4, 8-bit codes, shared / layer / layer_head
+codebooks), then each improvement on its own and all together: attention-weighted k-means and
+encoding, exact attention-sink tokens, an exact recent window. Bits per element include the
+codebooks, scales, zero points and exact tokens.
+
+Retrieval (`--part retrieval`): a held-out chat retrieval set in SmolLM2's native 8K context (facts
+planted at several depths in validation-split text), one full-precision prefill per item, then the
+answer decoded greedily over each quantized prompt cache; exact match with 95% Wilson intervals.
+
+Codebooks are calibrated on the calibration split only and kept in `--codebooks-dir` (reused when
+present). Writes bench/results/pq_real_model.json + .png and pq_real_retrieval.json + .png after
+every row; `--quick` writes the `_quick` files.
+
+    python -m bench.pq_real_model [--part ppl|retrieval|all] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import plot_path, save_plot, subplots, use_quick_results, write_result
+
+RECENT = 128  # exact recent window (MILLION's R, KIVI's residual)
+SINKS = 4  # exact first tokens
+GROUP = 128  # KIVI group size
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One K/V format: kind dense / int4 / int2 / pq, PQ codebook choice, and the exact tokens kept."""
+
+    name: str
+    kind: str
+    ds: int = 0
+    granularity: str = ""
+    weighting: str = "none"
+    sinks: int = 0
+    recent: int = 0
+
+    @property
+    def codebook_key(self) -> str:
+        """Name of the codebooks this setting uses ("" for none)."""
+        return f"ds{self.ds}_{self.granularity}_{self.weighting}" if self.kind == "pq" else ""
+
+
+def pq(ds: int, granularity: str, weighting: str = "none", sinks: int = 0, recent: int = 0) -> Setting:
+    """A PQ setting named after its parts."""
+    extras = [
+        w
+        for w, on in (("weighted", weighting != "none"), (f"sink{sinks}", sinks), (f"R{recent}", recent))
+        if on
+    ]
+    name = " ".join([f"pq ds{ds} {granularity}", *extras])
+    return Setting(name, "pq", ds, granularity, weighting, sinks, recent)
+
+
+def ppl_settings(context: int) -> list[Setting]:
+    """The rows of the perplexity table at `context`, most telling first (a time-boxed run keeps
+    those): every row at 2K; at 8K the baselines with their recent window and the main PQ rows."""
+    best2, best4 = pq(2, "layer", "attention", SINKS, RECENT), pq(4, "layer", "attention", SINKS, RECENT)
+    int4r = Setting(f"int4 g128 R{RECENT}", "int4", recent=RECENT)
+    int2r = Setting(f"int2 g128 R{RECENT}", "int2", recent=RECENT)
+    rows = [Setting("dense", "dense"), int4r, int2r, best2, pq(2, "layer"), best4, pq(4, "layer")]
+    if context > 2048:  # an 8K window costs about 4x a 2K one
+        return rows
+    return rows + [
+        pq(2, "layer", "attention"),  # each improvement on its own
+        pq(2, "layer", recent=RECENT),
+        pq(2, "layer", sinks=SINKS),
+        Setting("int4 g128", "int4"),  # every token quantized, as the plain PQ rows
+        Setting("int2 g128", "int2"),
+        pq(4, "layer", "attention"),
+        pq(2, "shared"),
+        pq(4, "shared"),
+        pq(2, "layer_head"),
+        pq(4, "layer_head"),
+    ]
+
+
+def retrieval_settings() -> list[Setting]:
+    """Dense, the 4-bit PQ settings (layer_head left out: its calibration is the slowest) and the int4
+    baseline; the decoded tokens are exact in every cache."""
+    return [
+        Setting("dense", "dense"),
+        pq(2, "layer"),
+        pq(2, "layer", "attention"),
+        pq(2, "layer", "attention", SINKS),
+        pq(2, "shared"),
+        Setting("int4 g128", "int4"),
+    ]
+
+
+def bits_per_element(setting: Setting, config: Any, tokens: int, codebooks: Any = None) -> float:
+    """Stored bits per cached K/V element at `tokens` tokens: codes, codebooks (fp32), encode weights,
+    group scales and zero points (fp16), exact tokens (bf16)."""
+    from jaxlongctx.kvcache.pq_cache import pq_cache_report
+    from jaxlongctx.kvcache.uniform_quant import effective_bits
+
+    if setting.kind == "dense":
+        return 16.0
+    exact = min(tokens, setting.sinks + setting.recent)
+    if setting.kind != "pq":
+        coded_bits = effective_bits(int(setting.kind[3:]), GROUP)
+        return ((tokens - exact) * coded_bits + exact * 16) / tokens
+    report = pq_cache_report(config, codebooks, tokens, exact)
+    weights = 0 if not codebooks.weighted else 4 * (codebooks.key_weights.size + codebooks.value_weights.size)
+    elements = 2 * config.num_layers * config.num_kv_heads * tokens * config.head_dim
+    return report["bits_per_element"] + 8 * weights / elements
+
+
+class CodebookStore:
+    """Codebooks per setting: loaded from `folder` when there, else calibrated (timed) and saved."""
+
+    def __init__(self, model: Any, folder: Path, calib_tokens: int, iters: int, ppc: int):
+        self.model, self.folder, self.calib_tokens, self.iters, self.ppc = (
+            model,
+            folder,
+            calib_tokens,
+            iters,
+            ppc,
+        )
+        self._cache: dict[str, Any] = {}
+
+    def seconds(self) -> dict[str, float]:
+        """Calibration seconds of every codebook used so far (recorded when it was calibrated)."""
+        return {key: cb.metadata.get("calibration_seconds", -1.0) for key, cb in self._cache.items()}
+
+    def get(self, setting: Setting) -> Any:
+        """The codebooks of a PQ setting."""
+        from jaxlongctx.data.tokenizer import encode_corpus
+        from jaxlongctx.kvcache.calibrate import calibrate
+        from jaxlongctx.kvcache.codebooks import save_codebooks
+        from jaxlongctx.kvcache.model_codebooks import load_codebooks_for
+
+        key = setting.codebook_key
+        if key in self._cache:
+            return self._cache[key]
+        path = self.folder / f"{key}_t{self.calib_tokens}_i{self.iters}_p{self.ppc}"
+        claim = path.with_name(path.name + ".calibrating")  # another run of this bench is making them
+        while claim.exists() and not path.is_dir():
+            time.sleep(10)
+        if path.is_dir():
+            cb = load_codebooks_for(self.model, path)
+        else:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            claim.touch()
+            t0 = time.perf_counter()
+            cb = calibrate(
+                self.model,
+                encode_corpus("calibration", self.model.tokenizer),
+                setting.ds,
+                8,
+                setting.granularity,
+                self.iters,
+                max_tokens=self.calib_tokens,
+                points_per_centroid=self.ppc,
+                tol=1e-3,
+                weighting=setting.weighting,
+                source="calibration split",
+            )
+            seconds = round(time.perf_counter() - t0, 1)
+            cb = dataclasses.replace(
+                cb, metadata={**cb.metadata, "calibration_seconds": seconds, "load_avg": str(load_now())}
+            )
+            print(f"calibrated {key} in {seconds} s (load {load_now()})", flush=True)
+            save_codebooks(cb, path, overwrite=False)
+            claim.unlink()
+        self._cache[key] = cb
+        return cb
+
+
+def transform_of(setting: Setting, codebooks: Any) -> Any:
+    """The K/V fake quantization of a setting (None for dense), sinks kept exact."""
+    from jaxlongctx.kv_quality import kv_transform
+    from jaxlongctx.kvcache.exact_window import keep_sinks_exact
+
+    transform = kv_transform(setting.kind, codebooks, GROUP)
+    return (
+        keep_sinks_exact(transform, setting.sinks) if transform is not None and setting.sinks else transform
+    )
+
+
+def load_now() -> list[float]:
+    """The 1/5/15-minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def shard_name(name: str, shard: tuple[int, int]) -> str:
+    """Result name of one shard of a run split over processes (`--part merge` combines them)."""
+    index, count = shard
+    return f"{name}_shard{index}of{count}"
+
+
+def run_ppl(model: Any, store: CodebookStore, args: argparse.Namespace, config: dict) -> dict:
+    """This shard's rows of the perplexity table; the JSON is rewritten after every row."""
+    from jaxlongctx.data.tokenizer import encode_corpus
+    from jaxlongctx.train.evaluate import perplexity
+
+    val = encode_corpus("validation", model.tokenizer)
+    index, count = args.shard
+    rows: list[dict] = []
+    payload = {
+        "config": {**config, "eval_tokens": dict(zip(map(str, args.contexts), args.eval_tokens))},
+        "rows": rows,
+    }
+    for context, n_tokens in zip(args.contexts, args.eval_tokens):
+        for setting in ppl_settings(context)[index::count]:
+            cb = store.get(setting) if setting.kind == "pq" else None
+            t0 = time.perf_counter()
+            result = perplexity(
+                model.module, val[:n_tokens], context, 1, transform_of(setting, cb), setting.recent
+            )
+            row = {
+                **asdict(setting),
+                "context": context,
+                "bits_per_element": round(bits_per_element(setting, model.config, context, cb), 4),
+                **result,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "load_avg": load_now(),
+            }
+            rows.append(row)
+            print(
+                f"{context:5d} {setting.name:32s} {row['bits_per_element']:6.3f} b  ppl {row['ppl']:.3f}  "
+                f"{row['seconds']} s  load {row['load_avg']}",
+                flush=True,
+            )
+            payload["config"]["calibration_seconds"] = store.seconds()
+            payload["complete"] = False
+            write_result(shard_name(args.name, args.shard), payload)
+    payload["complete"] = True
+    write_result(shard_name(args.name, args.shard), payload)
+    return payload
+
+
+def run_retrieval(model: Any, store: CodebookStore, args: argparse.Namespace, config: dict) -> dict:
+    """This shard's retrieval items, each prefilled once and answered over every cache."""
+    from jaxlongctx.data.chat_retrieval import retrieval_set
+    from jaxlongctx.kv_retrieval import PromptCache, answer
+
+    index, count = args.shard
+    items = retrieval_set(model.tokenizer, args.samples, args.retrieval_context)[index::count]
+    settings = retrieval_settings()
+    transforms: dict[str, Any] = {}  # made at first use, so the first prefill need not wait for codebooks
+    bits: dict[str, float] = {}
+    payload: dict[str, Any] = {"config": {**config, "context": args.retrieval_context}, "items": []}
+    for n, item in enumerate(items, 1):
+        t0 = time.perf_counter()
+        prompt_cache = PromptCache(model, item.prompt, args.retrieval_context)
+        prefill_s = time.perf_counter() - t0
+        answers = {}
+        for s in settings:
+            if s.name not in transforms:
+                cb = store.get(s) if s.kind == "pq" else None
+                transforms[s.name] = transform_of(s, cb)
+                bits[s.name] = round(bits_per_element(s, model.config, args.retrieval_context, cb), 4)
+            digits = answer(model, prompt_cache, item, transforms[s.name])
+            answers[s.name] = model.tokenizer.decode([int(d) for d in digits])
+        payload["items"].append(
+            {
+                "seed": item.seed,
+                "depth": item.depth,
+                "prompt_tokens": int(item.prompt.size),
+                "answer": item.answer,
+                "answers": answers,
+                "prefill_s": round(prefill_s, 1),
+                "seconds": round(time.perf_counter() - t0, 1),
+                "load_avg": load_now(),
+            }
+        )
+        payload["settings"] = [{**asdict(s), "bits_per_element": bits[s.name]} for s in settings]
+        payload["complete"] = n == len(items)
+        print(
+            f"item {n}/{len(items)} depth {item.depth} answer {item.answer}: {answers} "
+            f"({payload['items'][-1]['seconds']} s, load {load_now()})",
+            flush=True,
+        )
+        write_result(shard_name(args.name.replace("pq_real_model", "pq_real_retrieval"), args.shard), payload)
+    return payload
+
+
+def merge(name: str) -> dict:
+    """Combine the shard files of `name` (and `<name>_8k`) into `<name>.json` and the retrieval shards
+    into `pq_real_retrieval.json`, with ratios to dense, Wilson intervals and plots."""
+    import json
+
+    from bench.common import RESULTS_DIR, result_name
+    from jaxlongctx.train.evaluate import exact_match_interval
+
+    def parts(stem: str) -> list[dict]:
+        files = sorted(RESULTS_DIR.glob(f"{result_name(stem + '_shard*of*')}.json"))
+        return [json.loads(f.read_text()) for f in files]
+
+    ppl_parts = parts(name)
+    extra = RESULTS_DIR / f"{result_name(name + '_8k')}.json"
+    if extra.is_file():
+        ppl_parts.append(json.loads(extra.read_text()))
+    out: dict[str, Any] = {}
+    if ppl_parts:
+        rows = [r for part in ppl_parts for r in part["rows"]]
+        order = {(c, s.name): i for c in (2048, 8192) for i, s in enumerate(ppl_settings(c))}
+        rows.sort(key=lambda r: (r["context"], order.get((r["context"], r["name"]), 99)))
+        for row in rows:
+            dense = [r["ppl"] for r in rows if r["context"] == row["context"] and r["kind"] == "dense"]
+            row["ppl_vs_dense"] = row["ppl"] / dense[0] if dense else None
+        config = {**ppl_parts[0]["config"], "eval_tokens": {}}
+        for part in ppl_parts:
+            config["eval_tokens"].update(part["config"]["eval_tokens"])
+            config["calibration_seconds"] = {
+                **config.get("calibration_seconds", {}),
+                **part["config"].get("calibration_seconds", {}),
+            }
+        complete = all(part.get("complete") for part in ppl_parts)
+        out["ppl"] = {"config": config, "rows": rows, "complete": complete}
+        write_result(name, out["ppl"])
+        _plot_ppl(rows, plot_path(name))
+    ret_parts = parts(name.replace("pq_real_model", "pq_real_retrieval"))
+    if ret_parts:
+        items = sorted((i for part in ret_parts for i in part["items"]), key=lambda i: i["seed"])
+        settings = ret_parts[0]["settings"]
+        rows = []
+        for s in settings:
+            hits = [i["answers"][s["name"]] == i["answer"] for i in items]
+            depths = sorted({i["depth"] for i in items})
+            rows.append(
+                {
+                    **s,
+                    "right": sum(hits),
+                    "samples": len(items),
+                    "accuracy": sum(hits) / len(items),
+                    "interval_95": exact_match_interval(sum(hits), len(items)),
+                    "by_depth": {
+                        str(d): [h for h, i in zip(hits, items) if i["depth"] == d].count(True)
+                        / sum(i["depth"] == d for i in items)
+                        for d in depths
+                    },
+                }
+            )
+        ret_name = name.replace("pq_real_model", "pq_real_retrieval")
+        complete = all(part.get("complete") for part in ret_parts)
+        out["retrieval"] = {
+            "config": ret_parts[0]["config"],
+            "rows": rows,
+            "items": items,
+            "complete": complete,
+        }
+        write_result(ret_name, out["retrieval"])
+        _plot_retrieval(rows, plot_path(ret_name))
+    return out
+
+
+def _plot_ppl(rows: list[dict], path: Path) -> None:
+    """Perplexity against stored bits per element, one panel per context."""
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = subplots(1, len(contexts), figsize=(7 * len(contexts), 5), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        part = [r for r in rows if r["context"] == context]
+        dense = part[0]["ppl"]
+        for r in part:
+            colour = (
+                "gray"
+                if r["kind"] == "dense"
+                else "tab:orange"
+                if r["kind"].startswith("int")
+                else "tab:blue"
+            )
+            ax.scatter(r["bits_per_element"], r["ppl"], color=colour, s=18)
+            ax.annotate(
+                r["name"],
+                (r["bits_per_element"], r["ppl"]),
+                fontsize=6,
+                xytext=(3, 2),
+                textcoords="offset points",
+            )
+        for factor, style in ((1.02, "--"), (1.08, ":")):
+            ax.axhline(dense * factor, color="gray", ls=style, lw=1, label=f"dense +{factor - 1:.0%}")
+        ax.set_yscale("log")
+        ax.set_xlabel("stored bits per K/V element (codebooks, scales, exact tokens included)")
+        ax.set_ylabel("validation perplexity")
+        ax.set_title(f"SmolLM2-135M, {context}-token windows")
+        ax.legend(fontsize=7)
+    save_plot(fig, path, dpi=120)
+
+
+def _plot_retrieval(rows: list[dict], path: Path) -> None:
+    """Exact-match accuracy per cache with 95% Wilson intervals."""
+    fig, ax = subplots(figsize=(9, 4))
+    acc = [r["accuracy"] for r in rows]
+    low = [r["accuracy"] - r["interval_95"][0] for r in rows]
+    high = [r["interval_95"][1] - r["accuracy"] for r in rows]
+    ax.bar(range(len(rows)), acc, yerr=[low, high], capsize=3, color="tab:blue")
+    ax.set_xticks(
+        range(len(rows)),
+        [f"{r['name']}\n{r['bits_per_element']:.2f} b" for r in rows],
+        fontsize=7,
+        rotation=20,
+    )
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("exact match (95% Wilson interval)")
+    ax.set_title(f"SmolLM2-135M chat retrieval in 8K context, {rows[0]['samples']} held-out items")
+    save_plot(fig, path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the requested parts and write their result files."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--part",
+        choices=["calibrate", "ppl", "retrieval", "merge", "all"],
+        default="all",
+        help="calibrate: only make the codebooks (of --ds, --weightings) the other parts use; "
+        "merge: combine the results of runs split by --shard",
+    )
+    p.add_argument(
+        "--shard",
+        default="0/1",
+        help="I/N: this process runs every N-th table row (ppl) or item (retrieval) from the I-th; "
+        "--part merge then combines the shard files",
+    )
+    p.add_argument("--ds", type=int, nargs="+", default=[2, 4], help="subspace sizes --part calibrate makes")
+    p.add_argument(
+        "--weightings", nargs="+", default=["none", "attention"], help="weightings --part calibrate makes"
+    )
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument(
+        "--eval-tokens", type=int, nargs="+", default=[8192, 16384], help="validation tokens per context"
+    )
+    p.add_argument("--samples", type=int, default=30, help="retrieval items")
+    p.add_argument("--retrieval-context", type=int, default=8192)
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--iters", type=int, default=25)
+    p.add_argument("--points-per-centroid", type=int, default=64)
+    p.add_argument("--codebooks-dir", default=str(Path.home() / ".cache" / "jaxlongctx" / "pq_real_model"))
+    p.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, _quick result files")
+    p.add_argument("--name", default="pq_real_model")
+    args = p.parse_args(argv)
+    use_quick_results(args.quick)
+    index, _, count = args.shard.partition("/")
+    args.shard = (int(index), int(count or 1))
+    if not 0 <= args.shard[0] < args.shard[1]:
+        raise SystemExit(f"--shard must be I/N with 0 <= I < N, got {args.shard}")
+    if args.part == "merge":
+        return merge(args.name)
+    if args.quick:
+        args.contexts, args.eval_tokens, args.samples = [256, 512], [512, 1024], 2
+        args.retrieval_context, args.calib_tokens, args.iters = 1024, 1024, 2
+    if len(args.eval_tokens) != len(args.contexts):
+        raise SystemExit("--eval-tokens needs one count per --contexts entry")
+
+    from jaxlongctx.loading import load
+    from jaxlongctx.pretrained import smollm2_gguf
+
+    model = load(smollm2_gguf(), "fp32")
+    store = CodebookStore(
+        model, Path(args.codebooks_dir), args.calib_tokens, args.iters, args.points_per_centroid
+    )
+    config = {
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 weights, fp32)",
+        "calib_tokens": args.calib_tokens,
+        "kmeans_iters": args.iters,
+        "points_per_centroid": args.points_per_centroid,
+        "bits": 8,
+        "kivi_group": GROUP,
+        "recent_window": RECENT,
+        "sinks": SINKS,
+        "quick": args.quick,
+        "protocol": "codebooks from the calibration split; perplexity and retrieval filler from the validation split",
+    }
+    out = {}
+    if args.part == "calibrate":
+        for setting in {s.codebook_key: s for s in ppl_settings(2048) + retrieval_settings()}.values():
+            if setting.kind == "pq" and setting.ds in args.ds and setting.weighting in args.weightings:
+                store.get(setting)
+    if args.part in ("ppl", "all"):
+        out["ppl"] = run_ppl(model, store, args, config)
+    if args.part in ("retrieval", "all"):
+        out["retrieval"] = run_retrieval(model, store, args, config)
+    if args.part == "all":
+        merge(args.name)
+    return out
+
+
+if __name__ == "__main__":
+    main()
