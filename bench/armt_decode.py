@@ -20,10 +20,12 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result
+from jaxlongctx.decode_loop import bucket_length
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL
-from jaxlongctx.generate import bucket_length, generate
+from jaxlongctx.generate import generate
 from jaxlongctx.kvcache.dense import dense_cache_bytes
 from jaxlongctx.loading import load
+from jaxlongctx.sampling import SamplingParams
 
 DTYPE_BYTES = 4  # both models run in fp32 here
 
@@ -31,7 +33,7 @@ DTYPE_BYTES = 4  # both models run in fp32 here
 def timed_generation(model: Any, ids: np.ndarray, new_tokens: int) -> dict[str, float]:
     """Prefill and decode seconds of one greedy generation of exactly `new_tokens`."""
     timings: dict[str, float] = {}
-    generate(model, ids, new_tokens, eos_id=-1, timings=timings)
+    generate(model, ids, SamplingParams(new_tokens, stop_ids=()), timings=timings)
     if timings["decode_steps"] != new_tokens:
         raise RuntimeError(f"expected {new_tokens} decode steps, got {timings['decode_steps']}")
     return timings

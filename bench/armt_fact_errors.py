@@ -6,7 +6,7 @@ segment, which digit is wrong, and what greedy decoding then writes.
 For 2 and 4 facts, on held-out haystacks of one segment (every fact in the decoding window: the
 accuracy attention alone reaches, no memory involved), of 512 tokens (4 segments) and of 4K: the
 teacher-forced scores of `retrieval_accuracy` (exact match, wrong-answer rate per digit, first digits
-that start another fact's code) and the greedy answers of `generate_ids` on the same samples (their
+that start another fact's code) and the greedy answers of `jaxlongctx.generate` on the same samples (their
 exact match must equal the teacher-forced one; a wrong answer is another fact's whole code, or
 something else). Writes bench/results/armt_fact_errors.{json,png}.
 """
@@ -20,11 +20,12 @@ import numpy as np
 
 from bench.armt_retrieval import diagonal_decoding_logits
 from bench.common import plot_path, repo_path, save_plot, subplots, use_quick_results, write_result
-from jaxlongctx.armt.generation import generate_ids
 from jaxlongctx.data.haystack import CODE_DIGITS, held_out_batch
 from jaxlongctx.data.tokenizer import load_default_tokenizer
 from jaxlongctx.demo import ARMT_MODEL
+from jaxlongctx.generate import generate
 from jaxlongctx.loading import load
+from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.train.evaluate import retrieval_accuracy
 
 GREEDY_BATCH = 8
@@ -40,7 +41,7 @@ def greedy_answers(armt, length: int, samples: int, num_facts: int) -> dict[str,
             range(start, min(start + GREEDY_BATCH, samples)), length, tokenizer, num_facts=num_facts
         )
         answer, codes = raw["answer_ids"], raw["fact_answer_ids"]  # B D, B F D
-        got = np.asarray(generate_ids(armt, raw["ids"], CODE_DIGITS))[:, -CODE_DIGITS:]  # B D
+        got = np.asarray(generate(armt, raw["ids"], SamplingParams(CODE_DIGITS)))[:, -CODE_DIGITS:]  # B D
         ok = (got == answer).all(axis=1)
         right += int(ok.sum())
         other += int(((got[:, None] == codes).all(axis=-1).any(axis=1) & ~ok).sum())

@@ -24,7 +24,8 @@ from bench.common import interleaved_times, plot_path, save_plot, subplots, use_
 from convert.hf_llama import export_ckpt_to_hf
 from jaxlongctx.checkpoint import save_model
 from jaxlongctx.config import ModelConfig
-from jaxlongctx.generate import Request, _compiled, bucket_length
+from jaxlongctx.decode_loop import Request, bucket_length
+from jaxlongctx.generate import _compiled
 
 CONFIG = ModelConfig(
     vocab_size=4096,
@@ -59,7 +60,7 @@ def main() -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float32).eval()
 
     def ours_prefill(ids):
-        return lambda: jaxlongctx.generate(model, ids, 1, eos_id=-1)
+        return lambda: jaxlongctx.generate(model, ids, jaxlongctx.SamplingParams(1, stop_ids=()))
 
     def theirs_prefill(ids):
         t = torch.tensor(ids, dtype=torch.long)
@@ -117,9 +118,7 @@ def decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str, 
     import jax.numpy as jnp
     import torch
 
-    req = Request.parse(
-        model.config, ids, n, temperature=0.0, top_k=None, top_p=None, seed=0, eos_id=-1, attention_mask=None
-    )
+    req = Request.parse(model, ids, jaxlongctx.SamplingParams(n, stop_ids=()), None)
     ids_p, mask_p = req.padded_prompt()
     prefill, step = _compiled(model, bucket_length(ids_p.shape[1] + n), *req.static_key)
     logits0, cache0 = prefill(model.params, jnp.asarray(ids_p), jnp.asarray(mask_p))

@@ -71,7 +71,11 @@ def compare(
     reads, read_bytes = bandwidth
     load_before = os.getloadavg()
     t = interleaved_times(
-        {"ours": lambda: jaxlongctx.generate(model, ids, 1, eos_id=-1), "hf": theirs_prefill, **reads},
+        {
+            "ours": lambda: jaxlongctx.generate(model, ids, jaxlongctx.SamplingParams(1, stop_ids=())),
+            "hf": theirs_prefill,
+            **reads,
+        },
         repeats=repeats,
     )
     decode = decode_times(model, hf, ids, new_tokens, repeats)

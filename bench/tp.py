@@ -27,11 +27,13 @@ import numpy as np
 
 from bench.common import interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result
 from jaxlongctx.config import ModelConfig
-from jaxlongctx.generate import _prefill, bucket_length, generate
+from jaxlongctx.decode_loop import bucket_length
+from jaxlongctx.generate import _prefill, generate
 from jaxlongctx.kvcache.calibrate import calibrate
 from jaxlongctx.model.model import Model
 from jaxlongctx.parallel import make_mesh, shard_model
 from jaxlongctx.pq_generate import place_codebooks, pq_prefill
+from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.sharding import cache_sharding, put_batch
 
 FULL = ModelConfig(
@@ -72,8 +74,8 @@ def measure(config: ModelConfig, tps: list[int], prompt: int, new_tokens: int, r
     fns: dict[str, Any] = {}
     for tp, model in models.items():
         fns[f"prefill/tp{tp}"] = lambda m=model: m(ids)
-        fns[f"generate1/tp{tp}"] = lambda m=model: generate(m, ids, 1)
-        fns[f"generate/tp{tp}"] = lambda m=model: generate(m, ids, new_tokens, eos_id=-1)
+        fns[f"generate1/tp{tp}"] = lambda m=model: generate(m, ids, SamplingParams(1))
+        fns[f"generate/tp{tp}"] = lambda m=model: generate(m, ids, SamplingParams(new_tokens, stop_ids=()))
     times = interleaved_times(fns, repeats=repeats)
     capacity = bucket_length(bucket_length(prompt) + new_tokens)
     cache_shape = (config.num_layers, 1, config.num_kv_heads, capacity, config.head_dim)  # [L, B, K, S, hd]

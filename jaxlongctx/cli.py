@@ -11,7 +11,7 @@ from typing import Any
 DESCRIPTION = """jaxlongctx: long-context Llama inference in JAX.
 
 commands:
-  demo        long-context showcase on the embedded default model (or --ckpt)
+  demo        long-context showcase on the embedded default model (or --model)
   generate    generate text or ids from a checkpoint or HF model directory
               (dense or PQ KV cache, or ARMT with --armt-segment/--armt-mem)
   chat        chat in the terminal (default: SmolLM2-135M-Instruct), answers streamed
@@ -43,11 +43,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from jaxlongctx.loading import load
 
     mesh = mesh_from_args(args)
-    base = load(args.ckpt or BASE_MODEL, args.dtype or "fp32", mesh=mesh)
-    armt = load(args.armt_ckpt, args.dtype or "fp32") if args.armt_ckpt else None
+    base = load(args.model or BASE_MODEL, args.dtype or "fp32", mesh=mesh)
+    armt = load(args.armt_model, args.dtype or "fp32") if args.armt_model else None
     codebooks = None
     if args.codebooks:
-        from jaxlongctx.kvcache.calibrate import load_codebooks_for
+        from jaxlongctx.kvcache.model_codebooks import load_codebooks_for
 
         codebooks = load_codebooks_for(base, args.codebooks)
     for name in ("context", "samples", "facts", "prompt_tokens", "new_tokens"):
@@ -74,23 +74,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from jaxlongctx.cache_choice import PQKV, DenseKV, kv_cache_from_args
     from jaxlongctx.chat import chat_messages, read_prompt_text, stop_ids
     from jaxlongctx.config import eos_ids
     from jaxlongctx.generate import generate
     from jaxlongctx.loading import load
     from jaxlongctx.model.model import Model
-    from jaxlongctx.pq_generate import cache_stats, kv_cache_kwargs
+    from jaxlongctx.sampling import SamplingParams
     from jaxlongctx.tokenizer import TextStream
     from jaxlongctx.validation import check_text
 
-    model = load(args.ckpt, args.dtype, mesh=mesh_from_args(args))
-    kwargs = kv_cache_kwargs(args, model)
+    model = load(args.model, args.dtype, mesh=mesh_from_args(args))
+    cache = kv_cache_from_args(args, model)
     if (args.armt_segment is None) != (args.armt_mem is None):
         raise ValueError("--armt-segment and --armt-mem go together")
     if args.armt_segment is not None:
         if not isinstance(model, Model):
-            raise ValueError(f"{args.ckpt} is already an ARMT model; drop --armt-segment/--armt-mem")
-        if kwargs:
+            raise ValueError(f"{args.model} is already an ARMT model; drop --armt-segment/--armt-mem")
+        if isinstance(cache, PQKV):
             raise ValueError("--kv-cache pq applies to full-attention models, not with --armt-segment")
         import jax
 
@@ -111,7 +112,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if text is not None:
         if model.tokenizer is None:
             raise ValueError(
-                f"{args.ckpt} has no tokenizer.json; pass token ids with --ids instead of --prompt"
+                f"{args.model} has no tokenizer.json; pass token ids with --ids instead of --prompt"
             )
         text = check_text(text, "--prompt")
         ids = np.asarray(
@@ -141,21 +142,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     stream = None
     if model.tokenizer is not None and isinstance(model, Model):  # text streamed as it is generated
         stream = TextStream(model.tokenizer, lambda piece: print(piece, end="", flush=True), stop)
-    out = generate(
-        model,
-        ids,
+    params = SamplingParams(
         args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        progress=stream is None,
-        eos_id=list(stop) or None,
-        stream=stream,
-        **kwargs,
+        stop_ids=stop,
+    )
+    own_memory = not isinstance(model, Model) and isinstance(cache, DenseKV)  # ARMT: its memory, no KV cache
+    out = generate(
+        model, ids, params, cache=None if own_memory else cache, progress=stream is None, stream=stream
     )
     if args.stats:
-        print(json.dumps(cache_stats(model, kwargs, out.shape[1], out.shape[0])), file=sys.stderr)
+        print(json.dumps(cache.bytes_report(model.config, out.shape[1], out.shape[0])), file=sys.stderr)
     new = out[0, ids.shape[1] :].tolist()
     if stream is not None:
         stream.flush()
@@ -188,10 +188,11 @@ def _command(func_path: str) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from jaxlongctx.cache_choice import add_kv_cache_arguments
     from jaxlongctx.chat import add_chat_arguments
+    from jaxlongctx.cli_options import add_model_argument
     from jaxlongctx.commands.calibrate import add_calibrate_arguments
     from jaxlongctx.kv_quality import add_eval_kv_arguments
-    from jaxlongctx.pq_generate import add_kv_cache_arguments
     from jaxlongctx.train.armt_finetune import add_train_armt_arguments
     from jaxlongctx.train.evaluate import add_eval_ppl_arguments
     from jaxlongctx.train.lm import add_train_lm_arguments
@@ -208,10 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(diagonal, sequential) against full attention, decode after a long prompt with "
         "the dense and PQ KV caches, and print the memory of each.",
     )
-    d.add_argument("--ckpt", help="full-attention base model (default: the shipped one)")
-    d.add_argument("--armt-ckpt", help="ARMT checkpoint (default: the shipped one)")
+    add_model_argument(d, "full-attention base model (default: the shipped one)", old="--ckpt")
+    add_model_argument(
+        d, "ARMT model (default: the shipped one)", old="--armt-ckpt", flag="--armt-model", dest="armt_model"
+    )
     d.add_argument(
-        "--codebooks", help="PQ codebooks for --ckpt (default: the shipped ones for the shipped model)"
+        "--codebooks", help="PQ codebooks for --model (default: the shipped ones for the shipped model)"
     )
     d.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default fp32)")
     d.add_argument("--context", type=int, default=16384, help="haystack length in tokens (default 16384)")
@@ -243,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(converted on the fly); text is streamed as it is generated. Text prompts "
         "need a tokenizer (tokenizer.json next to the model, or the GGUF's own).",
     )
-    g.add_argument("--ckpt", required=True, help="jaxlongctx checkpoint, HF model directory or GGUF file")
+    add_model_argument(
+        g, "jaxlongctx checkpoint, HF model directory or GGUF file", old="--ckpt", required=True
+    )
     g.add_argument("--prompt", help="text prompt (needs tokenizer.json); '-' reads it from standard input")
     g.add_argument("--prompt-file", help="read the text prompt from this file ('-' = standard input)")
     g.add_argument(

@@ -25,9 +25,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxlongctx.cache_choice import PQKV, DenseKV
 from jaxlongctx.data.haystack import CODE_DIGITS, eval_seed, make_sample
 from jaxlongctx.generate import generate
 from jaxlongctx.kvcache.dense import dense_cache_bytes
+from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.train.evaluate import exact_match_interval
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -60,7 +62,7 @@ def retrieval(
     rows = []
     for i in range(samples):
         s = make_sample(eval_seed(i), context, tok, num_facts=facts)
-        out, secs = _timed(lambda: generate(armt, s.ids[None], CODE_DIGITS, eos_id=-1))  # exactly 4 tokens
+        out, secs = _timed(lambda: generate(armt, s.ids[None], SamplingParams(CODE_DIGITS, stop_ids=())))
         pred = out[0, context:]
         hit = pred == s.answer_ids
         rows.append({"exact": bool(hit.all()), "digits": int(hit.sum()), "seconds": secs})
@@ -107,19 +109,20 @@ def schedule_times(armt: Any, base: Any, context: int, echo: Callable[[str], Non
 
 
 def decode_speed(
-    base: Any, prompt_tokens: int, new_tokens: int, echo: Callable[[str], None], **cache: Any
+    base: Any, prompt_tokens: int, new_tokens: int, echo: Callable[[str], None], cache: DenseKV | PQKV
 ) -> dict[str, Any]:
     """Prefill `prompt_tokens` and decode `new_tokens` greedily; tokens/s of each phase."""
     ids = np.random.default_rng(1).integers(3, base.config.vocab_size, (1, prompt_tokens)).astype(np.int32)
-    generate(base, ids, new_tokens, eos_id=-1, **cache)  # compile and warm up the same run
+    params = SamplingParams(new_tokens, stop_ids=())  # exactly `new_tokens`
+    generate(base, ids, params, cache=cache)  # compile and warm up the same run
     t: dict[str, float] = {}
-    out = generate(base, ids, new_tokens, eos_id=-1, timings=t, **cache)
+    out = generate(base, ids, params, cache=cache, timings=t)
     result = {
         "prefill_tokens_per_s": prompt_tokens / t["prefill_s"],
         "decode_tokens_per_s": t["decode_steps"] / t["decode_s"],
         "generated_ids": out[0, prompt_tokens:].tolist(),
     }
-    name = cache.get("kv_cache", "dense")
+    name = cache.kind
     echo(
         f"  {name:5s} cache: prefill {result['prefill_tokens_per_s']:8,.0f} tok/s, "
         f"decode {result['decode_tokens_per_s']:6.1f} tok/s; ids {result['generated_ids'][:12]}..."
@@ -162,7 +165,6 @@ def real_model_answers(
     (codebooks calibrated here on the corpus's calibration split): answer, seconds, cache bytes."""
     from jaxlongctx.data.tokenizer import encode_corpus
     from jaxlongctx.kvcache.calibrate import calibrate
-    from jaxlongctx.pq_generate import cache_stats
 
     tok = model.tokenizer
     ids = np.asarray(
@@ -197,15 +199,16 @@ def real_model_answers(
         f"  PQ codebooks calibrated on {REAL_CALIBRATION_TOKENS:,} calibration-split tokens in "
         f"{result['pq_calibration_s']:.1f} s (ds 2, 8 bits: 4 bits per cached number)"
     )
-    for cache in ({"kv_cache": "dense"}, {"kv_cache": "pq", "codebooks": codebooks}):
+    params = SamplingParams(new_tokens, stop_ids=tok.stop_ids)
+    for cache in (DenseKV(), PQKV(codebooks)):
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        out = generate(model, ids, new_tokens, eos_id=list(tok.stop_ids), timings=timings, **cache)
+        out = generate(model, ids, params, cache=cache, timings=timings)
         seconds = time.perf_counter() - t0
         new = [int(i) for i in out[0, prompt:] if int(i) not in tok.stop_ids]
         answer = tok.decode(new).strip()
-        memory = cache_stats(model, cache, prompt + new_tokens)["total_bytes"]
-        name = cache["kv_cache"]
+        report = cache.bytes_report(model.config, prompt + new_tokens)
+        memory, name = report["total_bytes"], cache.kind
         result[name] = {
             "answer": answer,
             "correct": REAL_ANSWER in answer,
@@ -238,7 +241,7 @@ def run_demo(
     """Run the demo parts (see module docstring; `real_doc_tokens=0` leaves out the real model's);
     prints and returns the measurements."""
     from jaxlongctx.armt import ARMTModel
-    from jaxlongctx.kvcache.calibrate import load_codebooks_for
+    from jaxlongctx.kvcache.model_codebooks import load_codebooks_for
     from jaxlongctx.loading import load
 
     base = base if base is not None else load(BASE_MODEL, "fp32")
@@ -264,9 +267,9 @@ def run_demo(
     result["seconds"] = schedule_times(armt, base, context, echo)
 
     echo(f"\n[3] full-attention generation after a {prompt_tokens:,}-token prompt ({new_tokens} new tokens)")
-    result["dense"] = decode_speed(base, prompt_tokens, new_tokens, echo)
+    result["dense"] = decode_speed(base, prompt_tokens, new_tokens, echo, DenseKV())
     if codebooks is not None:
-        result["pq"] = decode_speed(base, prompt_tokens, new_tokens, echo, kv_cache="pq", codebooks=codebooks)
+        result["pq"] = decode_speed(base, prompt_tokens, new_tokens, echo, PQKV(codebooks))
 
     echo(f"\n[4] memory at {context:,} tokens")
     from jaxlongctx.kvcache.pq_cache import pq_cache_report

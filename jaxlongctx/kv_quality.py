@@ -73,7 +73,7 @@ def kv_perplexity(
 ) -> dict[str, Any]:
     """Perplexity of `model` on `tokens` (windows of `context`) with K/V fake-quantized by `kind`."""
     if kind == "pq":
-        from jaxlongctx.kvcache.calibrate import check_codebooks
+        from jaxlongctx.kvcache.model_codebooks import check_codebooks
 
         check_codebooks(model, codebooks)
     result = perplexity(
@@ -101,9 +101,9 @@ def add_eval_kv_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval_kv(args: argparse.Namespace) -> dict[str, Any]:
-    """`jaxlongctx eval-ppl [--kv ...]`: perplexity of `--ckpt` on `--split` with quantized K/V; prints JSON."""
+    """`jaxlongctx eval-ppl [--kv ...]`: perplexity of `--model` on `--split` with quantized K/V; prints JSON."""
     from jaxlongctx.data.tokenizer import encode_corpus
-    from jaxlongctx.kvcache.calibrate import load_codebooks_for
+    from jaxlongctx.kvcache.model_codebooks import load_codebooks_for
     from jaxlongctx.loading import load
 
     if args.context < 1 or args.batch_size < 1:
@@ -112,7 +112,7 @@ def run_eval_kv(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--codebooks is needed with --kv pq, and only then")
     if args.kv == "dense":
         return run_eval_ppl(args)
-    model = load(args.ckpt, args.dtype)
+    model = load(args.model, args.dtype)
     codebooks = load_codebooks_for(model, args.codebooks) if args.kv == "pq" else None
     tokens = encode_corpus(args.split, model.tokenizer)
     if args.max_tokens is not None:
@@ -120,7 +120,7 @@ def run_eval_kv(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
         tokens = tokens[: args.max_tokens]
     result = {
-        "ckpt": str(args.ckpt),
+        "ckpt": str(args.model),
         "split": args.split,
         "context": args.context,
         **kv_perplexity(model, tokens, args.context, args.kv, codebooks, args.kivi_group, args.batch_size),

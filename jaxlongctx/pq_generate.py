@@ -7,8 +7,8 @@ token's exact K/V into the window and attends through `pallas_kernels.pq_decode_
 
 from __future__ import annotations
 
-import argparse
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -18,24 +18,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlongctx.generate import Request, bucket_length, choose_next, last_real_index
-from jaxlongctx.kvcache.calibrate import check_codebooks
-from jaxlongctx.kvcache.codebooks import Codebooks
-from jaxlongctx.kvcache.dense import dense_cache_bytes
-from jaxlongctx.kvcache.pq_cache import (
-    DEFAULT_WINDOW,
-    PQCache,
-    flush_full_rows,
-    pq_cache_report,
-    write_window,
-)
+from jaxlongctx.cache_choice import PQKV
+from jaxlongctx.decode_loop import Request, bucket_length, choose_next, last_real_index
+from jaxlongctx.kvcache.model_codebooks import check_codebooks
+from jaxlongctx.kvcache.pq_cache import PQCache, flush_full_rows, write_window
 from jaxlongctx.model.layers import DecoderLayer
 from jaxlongctx.model.llama import Llama, forward_hidden
 from jaxlongctx.model.model import Model
+from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.sharding import LOGICAL_AXES, per_kv_shard, put, put_batch, sharded_pq_decode_attention
-from jaxlongctx.validation import check_positive_int
-
-KV_CACHES = ("dense", "pq")
 
 
 def pq_prefill(
@@ -104,7 +95,7 @@ def pq_decode_hidden(
 def _decode_step(
     model: Model,
     sampler: tuple,
-    eos: tuple[int, ...],
+    stop: tuple[int, ...],
     pad_id: int,
     backend: str,
     params,
@@ -117,88 +108,52 @@ def _decode_step(
     positions,
 ):
     """Choose the next token from `logits`, then run it through the model over the PQ cache."""
-    tok, done = choose_next(sampler, eos, pad_id, logits, key, done)
+    tok, done = choose_next(sampler, stop, pad_id, logits, key, done)
     module = model.merge(params)
     h, cache = pq_decode_hidden(module, k_cent, v_cent, tok[:, None], positions[:, None], cache, backend)
     return tok, done, module.head(h)[:, 0], cache
 
 
-def check_pq_model(model: Any, codebooks: Any, window: int) -> int:
-    """Validate a (model, codebooks, window) triple for PQ generation; returns the window."""
-    if hasattr(model, "generate_ids"):
-        raise ValueError(
-            f"kv_cache='pq' applies to full-attention models; {type(model).__name__} keeps its own "
-            "recurrent memory (use kv_cache='dense')"
-        )
-    if not isinstance(model, Model):
-        raise ValueError(f"generate() needs a jaxlongctx Model, got {type(model).__name__}")
-    if codebooks is None:
-        raise ValueError("kv_cache='pq' needs codebooks= (see `jaxlongctx calibrate` and load_codebooks)")
-    check_codebooks(model, codebooks)
-    if codebooks.weighted:
+def generate_pq(
+    model: Model,
+    ids: Any,
+    params: SamplingParams,
+    cache: PQKV,
+    *,
+    attention_mask: Any = None,
+    progress: bool = False,
+    timings: dict | None = None,
+    stream: Callable[[np.ndarray], Any] | None = None,
+) -> np.ndarray:
+    """`jaxlongctx.generate` over a PQ-compressed KV cache; same arguments and result (ids `[B, T + new]`)."""
+    check_codebooks(model, cache.codebooks)
+    if cache.codebooks.weighted:
         raise ValueError(
             "these codebooks weight channels (calibrated with --weighting attention); the PQ cache "
             "does not apply encode weights yet, so generate with codebooks calibrated without weighting"
         )
-    return check_positive_int(window, "pq_window")
-
-
-def generate_pq(
-    model: Any,
-    ids: Any,
-    max_new_tokens: int,
-    *,
-    kv_cache: str = "pq",
-    codebooks: Codebooks | None = None,
-    window: int = DEFAULT_WINDOW,
-    keep_prompt_tail_exact: bool = False,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
-    eos_id: int | list[int] | None = None,
-    attention_mask: Any = None,
-    progress: bool = False,
-    backend: str = "auto",
-    timings: dict | None = None,
-    stream: Any = None,
-) -> np.ndarray:
-    """`generate` with a PQ-compressed KV cache; same arguments and result (ids `[B, T + new]`)."""
-    if kv_cache != "pq":
-        raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
-    window = check_pq_model(model, codebooks, window)
-    req = Request.parse(
-        model.config,
-        ids,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        eos_id=eos_id,
-        attention_mask=attention_mask,
-    )
+    req = Request.parse(model, ids, params, attention_mask)
     model.check_length(req.ids.shape[1] + req.max_new_tokens)
     ids_p, mask_p = req.padded_prompt()
-    capacity = bucket_length(
-        ids_p.shape[1] + req.max_new_tokens + window
-    )  # a flush writes R slots at `lengths`
-    prefill, step = _compiled(model, capacity, window, bool(keep_prompt_tail_exact), *req.static_key, backend)
-    k_cent, v_cent = place_codebooks(*codebooks.stacked(), model.mesh)
+    capacity = bucket_length(ids_p.shape[1] + req.max_new_tokens + cache.window)  # a flush writes R slots
+    prefill, step = _compiled(
+        model, capacity, cache.window, cache.keep_prompt_tail_exact, *req.static_key, cache.backend
+    )
+    k_cent, v_cent = place_codebooks(*cache.codebooks.stacked(), model.mesh)
 
     t0 = time.perf_counter()
-    logits, cache = jax.block_until_ready(
+    logits, pq_cache = jax.block_until_ready(
         prefill(model.params, k_cent, v_cent, put_batch(ids_p, model.mesh), put_batch(mask_p, model.mesh))
     )
     if timings is not None:
         timings["prefill_s"] = time.perf_counter() - t0
     positions = jnp.asarray(req.mask.sum(axis=1), jnp.int32)
 
-    def run(cache, logits, key, done, i):
-        return step(model.params, k_cent, v_cent, cache, logits, key, done, positions + i)
+    def run(pq_cache, logits, key, done, i):
+        return step(model.params, k_cent, v_cent, pq_cache, logits, key, done, positions + i)
 
     return req.decode(
-        logits, cache, run, progress=progress, desc="decode (pq)", timings=timings, stream=stream
+        logits, pq_cache, run, progress=progress, desc="decode (pq)", timings=timings, stream=stream
     )
 
 
@@ -208,13 +163,13 @@ def _compiled(
     window: int,
     keep_tail: bool,
     sampler: tuple,
-    eos: tuple,
+    stop: tuple,
     pad_id: int,
     backend: str,
 ):
     """Jitted PQ prefill and decode step for these static settings (cached on the model)."""
     fns = model.__dict__.setdefault("_pq_generate_fns", {})
-    key = (capacity, window, keep_tail, sampler, eos, pad_id, backend)
+    key = (capacity, window, keep_tail, sampler, stop, pad_id, backend)
     if key not in fns:
 
         def prefill(params, k_cent, v_cent, ids, mask):
@@ -222,62 +177,6 @@ def _compiled(
 
         fns[key] = (
             jax.jit(prefill),
-            jax.jit(partial(_decode_step, model, sampler, eos, pad_id, backend), donate_argnums=(3,)),
+            jax.jit(partial(_decode_step, model, sampler, stop, pad_id, backend), donate_argnums=(3,)),
         )
     return fns[key]
-
-
-# --- CLI: generate --kv-cache pq -------------------------------------------------------------------
-def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """The KV-cache options of `jaxlongctx generate` (and the demo)."""
-    parser.add_argument("--kv-cache", choices=KV_CACHES, default="dense", help="decode cache (default dense)")
-    parser.add_argument(
-        "--codebooks", help="codebooks directory for --kv-cache pq (from `jaxlongctx calibrate`)"
-    )
-    parser.add_argument(
-        "--pq-window",
-        type=int,
-        default=DEFAULT_WINDOW,
-        help=f"exact recent tokens R of the PQ cache (default {DEFAULT_WINDOW})",
-    )
-    parser.add_argument(
-        "--keep-prompt-tail-exact",
-        action="store_true",
-        help="keep the prompt's last tokens in the exact window instead of coding them all",
-    )
-    parser.add_argument(
-        "--stats", action="store_true", help="print the KV cache bytes (vs dense bf16) as JSON"
-    )
-
-
-def kv_cache_kwargs(args: argparse.Namespace, model: Model) -> dict[str, Any]:
-    """`generate` keyword arguments from the parsed KV-cache options (codebooks loaded and checked)."""
-    if (args.kv_cache == "pq") != (args.codebooks is not None):
-        raise ValueError("--codebooks is needed with --kv-cache pq, and only then")
-    if args.kv_cache == "dense":
-        return {}
-    from jaxlongctx.kvcache.calibrate import load_codebooks_for
-
-    return {
-        "kv_cache": "pq",
-        "codebooks": load_codebooks_for(model, args.codebooks),
-        "pq_window": args.pq_window,
-        "keep_prompt_tail_exact": args.keep_prompt_tail_exact,
-    }
-
-
-def cache_stats(model: Model, kwargs: dict[str, Any], tokens: int, batch: int = 1) -> dict[str, Any]:
-    """Bytes of the KV cache `generate(**kwargs)` uses for `tokens` tokens per row, vs a dense bf16 cache."""
-    if kwargs.get("kv_cache", "dense") == "dense":
-        dense = dense_cache_bytes(model.config, tokens, batch)
-        return {
-            "kv_cache": "dense",
-            "tokens": tokens,
-            "batch": batch,
-            "total_bytes": dense,
-            "dense_bf16_bytes": dense,
-        }
-    report = pq_cache_report(
-        model.config, kwargs["codebooks"], tokens, kwargs.get("pq_window", DEFAULT_WINDOW), batch
-    )
-    return {"kv_cache": "pq", **report}

@@ -60,6 +60,7 @@ TIED = ModelConfig(
 )
 MESHES = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2)]  # (tp, dp)
 NEW_TOKENS = 4
+GREEDY = jaxlongctx.SamplingParams(NEW_TOKENS, stop_ids=())  # exactly NEW_TOKENS greedy tokens
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -92,7 +93,7 @@ def reference(config: ModelConfig = CFG) -> dict[str, Any]:
     model, (ids, mask) = make_model(config), sample_inputs(config)
     return {
         "logits": np.asarray(model(ids, mask)),
-        "tokens": jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1),
+        "tokens": jaxlongctx.generate(model, ids, GREEDY, attention_mask=mask),
     }
 
 
@@ -168,7 +169,7 @@ def run_meshes() -> dict[str, Any]:
     for tp, dp in MESHES:
         model = shard_model(base, make_mesh(tp=tp, dp=dp))
         logits = model(ids, mask)
-        tokens = jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
+        tokens = jaxlongctx.generate(model, ids, GREEDY, attention_mask=mask)
         out["meshes"].append(
             {
                 "tp": tp,
@@ -239,12 +240,9 @@ def check_pq_generation(base: jaxlongctx.Model) -> dict[str, Any]:
         generate = lambda m: jaxlongctx.generate(
             m,
             ids,
-            NEW_TOKENS + window,
+            jaxlongctx.SamplingParams(NEW_TOKENS + window, stop_ids=()),
+            cache=jaxlongctx.PQKV(cb, window=window),
             attention_mask=mask,
-            eos_id=-1,
-            kv_cache="pq",
-            codebooks=cb,
-            pq_window=window,
         )
         want_logits, _ = pq_teacher_forced(base, cb, ids, mask, forced, window)
         want_tokens = generate(base)
@@ -368,12 +366,12 @@ def run_armt() -> dict[str, Any]:
 
     plain = armt(base)
     want = {s: plain.run(ids, mask, schedule=s) for s in ("sequential", "diagonal")}
-    want_tokens = jaxlongctx.generate(plain, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
+    want_tokens = jaxlongctx.generate(plain, ids, GREEDY, attention_mask=mask)
     want_stream = stream(plain)
     sentences = armt(base, "sentences")
     want_sentences = (
         sentences(ids, mask),
-        jaxlongctx.generate(sentences, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1),
+        jaxlongctx.generate(sentences, ids, GREEDY, attention_mask=mask),
         stream(sentences),
     )
     out: dict[str, Any] = {}
@@ -389,7 +387,7 @@ def run_armt() -> dict[str, Any]:
             )
             row["A_spec"] = str(got_state.A.sharding.spec)
         row["tokens_equal"] = bool(
-            (jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1) == want_tokens).all()
+            (jaxlongctx.generate(model, ids, GREEDY, attention_mask=mask) == want_tokens).all()
         )
         row["stream"] = float(np.abs(stream(model) - want_stream).max())
         model = armt(shard_model(base, make_mesh(tp=tp, dp=dp)), "sentences")  # segments cut after sentences
@@ -397,10 +395,7 @@ def run_armt() -> dict[str, Any]:
             np.abs(np.asarray(model(ids, mask)) - np.asarray(want_sentences[0])).max()
         )
         row["sentences_tokens_equal"] = bool(
-            (
-                jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
-                == want_sentences[1]
-            ).all()
+            (jaxlongctx.generate(model, ids, GREEDY, attention_mask=mask) == want_sentences[1]).all()
         )
         row["sentences_stream"] = float(np.abs(stream(model) - want_sentences[2]).max())
         out[f"dp{dp}xtp{tp}"] = row
@@ -435,9 +430,9 @@ def run_kv_replicas(combos: list[tuple[int, int]], tokens: bool) -> dict[str, An
         armt = ARMTModel.wrap(model, ARMTConfig(segment_size=4, num_mem_tokens=2, d_mem=4), jax.random.key(0))
         armt.cpu_execution = PIPELINE_ALWAYS  # this short input would otherwise run in sequential order
         armt.randomize_memory_params(jax.random.key(1), 0.5)
-        pq = {"kv_cache": "pq", "codebooks": codebooks, "pq_window": window}
+        pq = {"cache": jaxlongctx.PQKV(codebooks, window=window)}
         greedy = lambda m, **kw: (
-            jaxlongctx.generate(m, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1, **kw) if tokens else None
+            jaxlongctx.generate(m, ids, GREEDY, attention_mask=mask, **kw) if tokens else None
         )
         pq_logits, pq_cache = pq_teacher_forced(model, codebooks, ids, mask, forced, window)
         armt_logits, armt_state = armt.run(ids, mask)
@@ -493,7 +488,7 @@ def run_process(port: int, nproc: int, rank: int, ckpt: str) -> dict[str, Any]:
     model = jaxlongctx.load(ckpt, mesh=make_mesh(tp=len(jax.devices())))
     ids, mask = sample_inputs()
     logits = np.asarray(model(ids, mask))
-    tokens = jaxlongctx.generate(model, ids, NEW_TOKENS, attention_mask=mask, eos_id=-1)
+    tokens = jaxlongctx.generate(model, ids, GREEDY, attention_mask=mask)
     return {
         "process": jax.process_index(),
         "global_devices": len(jax.devices()),

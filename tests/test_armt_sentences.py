@@ -9,6 +9,8 @@ import optax
 import pytest
 from test_armt_utils import NEWLINE, PERIOD, VOCAB, TinyTokenizer, make_armt
 
+import jaxlongctx
+from jaxlongctx import ARMTMemory, SamplingParams
 from jaxlongctx.armt.generation import window_starts
 from jaxlongctx.armt.segments import Segments, pad_segments, segment_at
 from jaxlongctx.armt.sentences import SentenceSegmenter
@@ -147,7 +149,9 @@ def test_sentence_generation_equals_repeated_generation_logits():
         ids[r, : len(row)] = row
     new = 14  # both windows fill: commits, then plain segments
     got = {
-        s: armt.generate_ids(ids, new, attention_mask=mask, schedule=s, eos_id=-1)
+        s: jaxlongctx.generate(
+            armt, ids, SamplingParams(new, stop_ids=()), cache=ARMTMemory(schedule=s), attention_mask=mask
+        )
         for s in ("diagonal", "sequential")
     }
     np.testing.assert_array_equal(got["diagonal"], got["sequential"])

@@ -9,8 +9,10 @@ import pytest
 from test_armt_utils import VOCAB, shared_armt, tiny_config
 
 from jaxlongctx.armt import ARMTConfig, ARMTModel
+from jaxlongctx.cache_choice import ARMTMemory
 from jaxlongctx.checkpoint import load_module
 from jaxlongctx.generate import generate
+from jaxlongctx.sampling import SamplingParams
 
 RNG = np.random.default_rng(1)
 
@@ -70,14 +72,15 @@ def test_greedy_generation_equals_repeated_generation_logits():
     lengths = [29, 24]  # 3 whole segments + 5 tokens; 3 whole segments (the window opens on the last one)
     mask = np.arange(29)[None] < np.asarray(lengths)[:, None]
     new = 15  # both windows (rows 0 / 1: [24, 40) / [16, 32)) fill: two commits, then a fresh segment
+    params = SamplingParams(new, stop_ids=())
     got = {
-        s: armt.generate_ids(ids, new, attention_mask=mask, schedule=s, eos_id=-1)
+        s: generate(armt, ids, params, cache=ARMTMemory(schedule=s), attention_mask=mask)
         for s in ("diagonal", "sequential")
     }
     np.testing.assert_array_equal(got["diagonal"], got["sequential"])
     timings = {}
     np.testing.assert_array_equal(
-        generate(armt, ids, new, attention_mask=mask, eos_id=-1, timings=timings), got["diagonal"]
+        generate(armt, ids, params, attention_mask=mask, timings=timings), got["diagonal"]
     )
     assert timings["decode_steps"] == new and timings["prefill_s"] > 0 and timings["decode_s"] > 0
     for r, n in enumerate(lengths):

@@ -12,6 +12,7 @@ from gguf_synthetic import gpt2_chat_tokenizer, hf_weights, write_gguf
 import jaxlongctx
 from jaxlongctx.chat import ChatSession, chat_messages, read_prompt_text, stop_ids, stream_answer
 from jaxlongctx.cli import main as cli_main
+from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.tokenizer import TextStream
 
 TEXTS = [
@@ -63,13 +64,14 @@ def test_read_prompt_text(tmp_path):
 def test_stream_callback_sees_every_token(chat_model):
     ids = np.asarray([chat_model.tokenizer.encode(TEXTS[0]).ids] * 2, np.int32)
     seen = []
-    out = jaxlongctx.generate(chat_model, ids, 12, eos_id=[], stream=lambda tok: seen.append(tok.copy()))
+    params = SamplingParams(12, stop_ids=())
+    out = jaxlongctx.generate(chat_model, ids, params, stream=lambda tok: seen.append(tok.copy()))
     np.testing.assert_array_equal(np.stack(seen, axis=1), out[:, ids.shape[1] :])
-    np.testing.assert_array_equal(out, jaxlongctx.generate(chat_model, ids, 12, eos_id=[]))
+    np.testing.assert_array_equal(out, jaxlongctx.generate(chat_model, ids, params))
 
     pieces = []
     text = TextStream(chat_model.tokenizer, pieces.append)  # shows row 0
-    jaxlongctx.generate(chat_model, ids, 12, eos_id=[], stream=text)
+    jaxlongctx.generate(chat_model, ids, params, stream=text)
     text.flush()
     assert "".join(pieces) == text.text == chat_model.tokenizer.decode(out[0, ids.shape[1] :])
 
@@ -79,16 +81,17 @@ def test_stream_stops_at_end_of_turn(chat_model):
     prompt = chat_model.tokenizer.apply_chat_template(
         chat_messages(TEXTS[2]), add_generation_prompt=True, tokenize=True
     )
-    free = jaxlongctx.generate(chat_model, np.asarray([prompt]), 24, eos_id=[])[0, len(prompt) :].tolist()
+    free = jaxlongctx.generate(chat_model, np.asarray([prompt]), SamplingParams(24, stop_ids=()))
+    free = free[0, len(prompt) :].tolist()
     stop = free[5]  # make the sixth token a stop id
-    answer = stream_answer(chat_model, prompt, lambda piece: None, max_new_tokens=24, stop=(stop,))
+    answer = stream_answer(chat_model, prompt, lambda piece: None, SamplingParams(24, stop_ids=stop))
     first = free.index(stop)
     assert answer.ids == free[:first] and not answer.interrupted
     assert answer.text == chat_model.tokenizer.decode(free[:first])
 
 
 def test_chat_session_history_reset_trim_and_interrupt(chat_model):
-    session = ChatSession(chat_model, system="Be brief.", max_new_tokens=6)
+    session = ChatSession(chat_model, system="Be brief.", params=SamplingParams(6))
     a1 = session.reply("Hello there", lambda piece: None)
     session.reply("How are you?", lambda piece: None)
     assert [m["role"] for m in session.history] == ["user", "assistant", "user", "assistant"]
@@ -97,7 +100,7 @@ def test_chat_session_history_reset_trim_and_interrupt(chat_model):
         [{"role": "system", "content": "Be brief."}] + session.history[:3], add_generation_prompt=True
     )
     assert "Be brief." in rendered and "Hello there" in rendered and "How are you?" in rendered
-    assert session.stop == stop_ids(chat_model) and 2 in session.stop
+    assert session.params.stop_ids == stop_ids(chat_model) and 2 in session.params.stop_ids
 
     def interrupt(piece):
         raise KeyboardInterrupt  # what Ctrl-C raises while an answer streams
@@ -107,7 +110,7 @@ def test_chat_session_history_reset_trim_and_interrupt(chat_model):
     session.reset()
     assert session.history == []
 
-    long = ChatSession(chat_model, max_new_tokens=8)  # CONTEXT - 8 tokens for the prompt
+    long = ChatSession(chat_model, params=SamplingParams(8))  # CONTEXT - 8 tokens for the prompt
     for _ in range(8):
         long.reply(TEXTS[2], lambda piece: None)
         sent = chat_model.tokenizer.apply_chat_template(
@@ -132,7 +135,9 @@ def test_generate_command_prompt_file_and_chat_on_stdin(chat_gguf, chat_model, t
     base = ["generate", "--ckpt", str(chat_gguf), "--max-new-tokens", "10"]
     assert cli_main(base + ["--prompt-file", str(f)]) == 0
     ids = np.asarray([chat_model.tokenizer.encode(TEXTS[2]).ids])
-    expected = chat_model.tokenizer.decode(jaxlongctx.generate(chat_model, ids, 10)[0, ids.shape[1] :])
+    expected = chat_model.tokenizer.decode(
+        jaxlongctx.generate(chat_model, ids, SamplingParams(10))[0, ids.shape[1] :]
+    )
     assert capsys.readouterr().out == expected + "\n"
 
     monkeypatch.setattr("sys.stdin", io.StringIO(TEXTS[0] + "\n"))
@@ -140,7 +145,8 @@ def test_generate_command_prompt_file_and_chat_on_stdin(chat_gguf, chat_model, t
     prompt = chat_model.tokenizer.apply_chat_template(
         chat_messages(TEXTS[0], "Be brief."), add_generation_prompt=True, tokenize=True
     )
-    free = jaxlongctx.generate(chat_model, np.asarray([prompt]), 10, eos_id=[])[0, len(prompt) :].tolist()
+    free = jaxlongctx.generate(chat_model, np.asarray([prompt]), SamplingParams(10, stop_ids=()))
+    free = free[0, len(prompt) :].tolist()
     stops = set(stop_ids(chat_model))
     end = next((i for i, t in enumerate(free) if t in stops), len(free))
     assert capsys.readouterr().out == chat_model.tokenizer.decode(free[:end]) + "\n"

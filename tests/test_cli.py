@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from jaxlongctx.cli import main
+from jaxlongctx.cli import build_parser, main
 from jaxlongctx.data.haystack import held_out_batch
 from jaxlongctx.data.tokenizer import load_default_tokenizer
 
@@ -18,6 +18,29 @@ def test_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for cmd in ("demo", "generate", "convert"):
         assert cmd in out
+
+
+@pytest.mark.parametrize(
+    "command, new, old, dest, rest",
+    [
+        ("generate", "--model", "--ckpt", "model", ["--ids", "1"]),
+        ("chat", "--model", "--ckpt", "model", []),
+        ("demo", "--model", "--ckpt", "model", []),
+        ("demo", "--armt-model", "--armt-ckpt", "armt_model", []),
+        ("calibrate", "--model", "--ckpt", "model", ["--out", "cb"]),
+        ("eval-ppl", "--model", "--ckpt", "model", []),
+        ("train-armt", "--model", "--base", "base", ["--out", "run"]),
+    ],
+)
+def test_model_flag_is_one_name_with_the_old_one_as_alias(capsys, command, new, old, dest, rest):
+    parser = build_parser()
+    for flag in (new, old):
+        assert getattr(parser.parse_args([command, flag, "m.gguf", *rest]), dest) == "m.gguf"
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # help lines unwrapped
+    assert f"{new} {dest.upper()}, {old} {dest.upper()}" in text
+    assert f"({old}: old name, removed in the next release)" in text
 
 
 def test_demo_runs_end_to_end_on_shipped_models(capsys):

@@ -91,7 +91,7 @@ def test_smollm2_greedy_32_tokens(smollm2, hf_smollm2):
     import torch
 
     ids = np.asarray([smollm2.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)])
-    ours = jaxlongctx.generate(smollm2, ids, 32, eos_id=[])[0, ids.shape[1] :]
+    ours = jaxlongctx.generate(smollm2, ids, jaxlongctx.SamplingParams(32, stop_ids=()))[0, ids.shape[1] :]
     with torch.no_grad():
         ref = hf_smollm2[0].generate(torch.tensor(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False)
     np.testing.assert_array_equal(ours, ref[0, ids.shape[1] :].numpy())
@@ -470,7 +470,8 @@ def test_smollm2_generate_chat_stops_at_end_of_turn(smollm2, monkeypatch, capsys
     prompt = smollm2.tokenizer.apply_chat_template(
         chat_messages(question), add_generation_prompt=True, tokenize=True
     )
-    free = jaxlongctx.generate(smollm2, np.asarray([prompt]), 24, eos_id=[])[0, len(prompt) :].tolist()
+    free = jaxlongctx.generate(smollm2, np.asarray([prompt]), jaxlongctx.SamplingParams(24, stop_ids=()))
+    free = free[0, len(prompt) :].tolist()
     end = free.index(2)  # <|im_end|>
     assert 1 in free[end + 1 :]  # <|im_start|>: a new turn
     monkeypatch.setattr("sys.stdin", io.StringIO(question + "\n"))

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 import jaxlongctx
+from jaxlongctx.cache_choice import PQKV, DenseKV, add_kv_cache_arguments, kv_cache_from_args
 from jaxlongctx.checkpoint import save_model
 from jaxlongctx.commands.calibrate import add_calibrate_arguments, run_calibrate
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kv_quality import add_eval_kv_arguments, kv_perplexity, kv_transform, run_eval_kv
 from jaxlongctx.kvcache import fake_quantize
-from jaxlongctx.kvcache.calibrate import model_fingerprint
-from jaxlongctx.pq_generate import add_kv_cache_arguments, cache_stats, kv_cache_kwargs
+from jaxlongctx.kvcache.model_codebooks import model_fingerprint
+from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.train.evaluate import add_eval_ppl_arguments, perplexity
 
 # vocab of the default tokenizer, so the built-in corpus splits are valid ids
@@ -123,16 +124,20 @@ def test_calibrate_cli_and_pq_perplexity(model, ckpt, codebooks_dir):
 def test_generate_kv_cache_options(model, ckpt, codebooks_dir):
     p = argparse.ArgumentParser()
     add_kv_cache_arguments(p)
-    kwargs = kv_cache_kwargs(
+    cache = kv_cache_from_args(
         p.parse_args(["--kv-cache", "pq", "--codebooks", str(codebooks_dir), "--pq-window", "16"]), model
     )
-    out = jaxlongctx.generate(model, np.array([[5, 6, 7]], np.int32), 20, eos_id=-1, **kwargs)
+    assert isinstance(cache, PQKV) and cache.window == 16
+    out = jaxlongctx.generate(
+        model, np.array([[5, 6, 7]], np.int32), SamplingParams(20, stop_ids=()), cache=cache
+    )
     assert out.shape == (1, 23)
-    stats = cache_stats(model, kwargs, 23)
+    stats = cache.bytes_report(model.config, 23)
     assert stats["window_bytes"] == 2 * 2 * 1 * 16 * 16 * 2 and stats["codes_bytes"] == 2 * 2 * 1 * 7 * 8
-    assert cache_stats(model, {}, 23)["total_bytes"] == 2 * 2 * 23 * 16 * 2
+    assert kv_cache_from_args(p.parse_args([]), model) == DenseKV()
+    assert DenseKV().bytes_report(model.config, 23)["total_bytes"] == 2 * 2 * 23 * 16 * 2
     other = jaxlongctx.Model.init(CFG, seed=4)
     with pytest.raises(ValueError, match="were made for model"):
-        kv_cache_kwargs(p.parse_args(["--kv-cache", "pq", "--codebooks", str(codebooks_dir)]), other)
+        kv_cache_from_args(p.parse_args(["--kv-cache", "pq", "--codebooks", str(codebooks_dir)]), other)
     with pytest.raises(ValueError, match="--codebooks is needed"):
-        kv_cache_kwargs(p.parse_args(["--kv-cache", "pq"]), model)
+        kv_cache_from_args(p.parse_args(["--kv-cache", "pq"]), model)

@@ -47,7 +47,7 @@ def test_greedy_generation_matches_transformers(hf_family_dir, family):
     hf_dir, hf = hf_family_dir(family)
     model = jaxlongctx.load(hf_dir)
     ids = np.random.default_rng(2).integers(3, VOCAB, (1, 9)).astype(np.int32)
-    ours = jaxlongctx.generate(model, ids, 32, eos_id=-1)
+    ours = jaxlongctx.generate(model, ids, jaxlongctx.SamplingParams(32, stop_ids=()))
     with torch.no_grad():
         ref = hf.generate(
             torch.tensor(ids, dtype=torch.long),

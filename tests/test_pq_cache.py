@@ -12,7 +12,8 @@ import pytest
 import jaxlongctx
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache import Codebooks, centroid_shape, decode, encode, save_codebooks
-from jaxlongctx.kvcache.calibrate import calibrate, check_codebooks, load_codebooks_for, model_fingerprint
+from jaxlongctx.kvcache.calibrate import calibrate
+from jaxlongctx.kvcache.model_codebooks import check_codebooks, load_codebooks_for, model_fingerprint
 from jaxlongctx.kvcache.pq_cache import (
     PQCache,
     decode_layers,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxlongctx
+from jaxlongctx import PQKV, SamplingParams
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache import Codebooks, centroid_shape
 from jaxlongctx.kvcache.pq_cache import decode_layers, encode_layers
@@ -121,25 +122,25 @@ def test_greedy_pq_generation_300_steps_across_flushes(model):
     ids = np.random.default_rng(4).integers(3, 97, (2, 10)).astype(np.int32)
     mask = np.ones_like(ids, bool)
     mask[0, :4] = False
-    out = jaxlongctx.generate(
-        model, ids, 300, attention_mask=mask, eos_id=-1, kv_cache="pq", codebooks=cb, pq_window=128
-    )
+    params = SamplingParams(300, stop_ids=())
+    out = jaxlongctx.generate(model, ids, params, cache=PQKV(cb, window=128), attention_mask=mask)
     assert out.shape == (2, 310) and ((out[:, 10:] >= 0) & (out[:, 10:] < CFG.vocab_size)).all()
-    dense = jaxlongctx.generate(model, ids, 1, attention_mask=mask, eos_id=-1)
+    dense = jaxlongctx.generate(model, ids, SamplingParams(1, stop_ids=()), attention_mask=mask)
     np.testing.assert_array_equal(out[:, 10], dense[:, 10])  # prefill attends in full precision
-    row = jaxlongctx.generate(model, ids[1:], 300, eos_id=-1, kv_cache="pq", codebooks=cb, pq_window=128)
+    row = jaxlongctx.generate(model, ids[1:], params, cache=PQKV(cb, window=128))
     np.testing.assert_array_equal(out[1], row[0])  # batch rows are independent
 
 
 def test_pq_generation_errors(model):
     cb = kv_codebooks(model, "shared")
     ids = np.array([[5, 6, 7]], np.int32)
-    with pytest.raises(ValueError, match="kv_cache must be one of"):
-        jaxlongctx.generate(model, ids, 2, kv_cache="int4", codebooks=cb)
+    params = SamplingParams(2)
+    with pytest.raises(ValueError, match="cache must be DenseKV"):
+        jaxlongctx.generate(model, ids, params, cache="int4")
     with pytest.raises(ValueError, match="needs codebooks"):
-        jaxlongctx.generate(model, ids, 2, kv_cache="pq")
-    with pytest.raises(ValueError, match="pq_window"):
-        jaxlongctx.generate(model, ids, 2, kv_cache="pq", codebooks=cb, pq_window=0)
+        PQKV(None)
+    with pytest.raises(ValueError, match="window"):
+        PQKV(cb, window=0)
     other = Codebooks(
         cb.key_centroids,
         cb.value_centroids,
@@ -152,9 +153,11 @@ def test_pq_generation_errors(model):
         metadata={"model_fingerprint": "0123456789abcdef"},
     )
     with pytest.raises(ValueError, match="calibrated on another model"):
-        jaxlongctx.generate(model, ids, 2, kv_cache="pq", codebooks=other)
+        jaxlongctx.generate(model, ids, params, cache=PQKV(other))
     from jaxlongctx.armt import ARMTConfig, ARMTModel
 
     armt = ARMTModel.wrap(model, ARMTConfig(segment_size=8, num_mem_tokens=2, d_mem=4), jax.random.key(0))
     with pytest.raises(ValueError, match="full-attention models"):
-        jaxlongctx.generate(armt, ids, 2, kv_cache="pq", codebooks=cb)
+        jaxlongctx.generate(armt, ids, params, cache=PQKV(cb))
+    with pytest.raises(ValueError, match="full-attention models"):
+        jaxlongctx.generate(armt, ids, params, cache=jaxlongctx.DenseKV())

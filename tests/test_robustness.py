@@ -282,11 +282,11 @@ def test_weights_with_nan_are_refused_at_import(hf_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf"), 1e-45, -1.0])
-def test_degenerate_temperature_is_refused(ckpt, temperature):
-    from jaxlongctx.generate import generate
+def test_degenerate_temperature_is_refused(temperature):
+    from jaxlongctx.sampling import SamplingParams
 
     with pytest.raises(ValueError, match="temperature"):
-        generate(load(ckpt), np.array([[1, 2, 3]]), 2, temperature=temperature)
+        SamplingParams(2, temperature=temperature)
 
 
 def test_non_finite_codebooks_and_learning_rate_are_refused(tmp_path):

@@ -580,16 +580,17 @@ def test_teacher_forced_exact_match_is_greedy_decoding_of_the_shipped_armt():
     """What `retrieval_accuracy` scores (argmax of the decoding logits, right digits fed back) is
     what greedy generation answers: the same samples right, and a wrong greedy answer starts with
     the wrong first digit exactly when teacher forcing has it wrong there."""
-    from jaxlongctx.armt.generation import generate_ids
     from jaxlongctx.data.haystack import eval_seed, make_batch
+    from jaxlongctx.generate import generate
     from jaxlongctx.loading import load
+    from jaxlongctx.sampling import SamplingParams
     from jaxlongctx.train.evaluate import answer_inputs
 
     armt = load(ARMT_MODEL, "fp32")
     raw = make_batch(eval_seed(0), 16, 128, load_default_tokenizer(), num_facts=4)  # one segment
     logits = armt.generation_logits(answer_inputs(raw["ids"], raw["answer_ids"]), 128)
     forced = np.asarray(jnp.argmax(logits[:, 127 : 127 + CODE_DIGITS], axis=-1))
-    greedy = generate_ids(armt, raw["ids"], CODE_DIGITS)[:, -CODE_DIGITS:]
+    greedy = generate(armt, raw["ids"], SamplingParams(CODE_DIGITS))[:, -CODE_DIGITS:]
     forced_right = (forced == raw["answer_ids"]).all(axis=1)
     assert 0 < forced_right.sum() < 16  # both outcomes occur in these samples
     np.testing.assert_array_equal(forced_right, (greedy == raw["answer_ids"]).all(axis=1))

@@ -40,7 +40,7 @@ def test_bad_ids(model, ids, match):
     with pytest.raises(ValueError, match=match):
         model(ids)
     with pytest.raises(ValueError, match=match):
-        jaxlongctx.generate(model, ids, 2)
+        jaxlongctx.generate(model, ids, jaxlongctx.SamplingParams(2))
 
 
 def test_bad_masks(model):
@@ -55,7 +55,7 @@ def test_bad_masks(model):
 
 def test_bad_max_new_tokens(model):
     with pytest.raises(ValueError, match="max_new_tokens must be > 0"):
-        jaxlongctx.generate(model, np.ones((1, 2), np.int32), 0)
+        jaxlongctx.SamplingParams(0)
 
 
 def test_prompt_longer_than_sliding_window():
@@ -64,7 +64,7 @@ def test_prompt_longer_than_sliding_window():
     with pytest.raises(ValueError, match="exceeds sliding_window=8"):
         m(np.ones((1, 9), np.int32))
     with pytest.raises(ValueError, match="exceeds sliding_window=8"):
-        jaxlongctx.generate(m, np.ones((1, 6), np.int32), 3)
+        jaxlongctx.generate(m, np.ones((1, 6), np.int32), jaxlongctx.SamplingParams(3))
 
 
 def test_bad_configs():

@@ -5,7 +5,7 @@
     logits, memory = armt.run(ids, attention_mask, schedule=...)   # + per-layer A [L,B,dk,D], z [L,B,dk]
     state = armt.init_state(batch); state, per_row = armt.feed(state, chunk, end_document=...)
     state, per_row = armt.flush(state)                             # streaming; see `stream`
-    jaxlongctx.generate.generate(armt, ids, n)                     # or armt.generate_ids(..., schedule=...)
+    jaxlongctx.generate(armt, ids, SamplingParams(n), cache=ARMTMemory(schedule="diagonal"))  # decoding
     armt.segmentation = "sentences"                                # cut after sentence ends (needs the tokenizer)
     armt.projections = "grouped_matmul"                            # diagonal products: "auto" | "vmap" | this
     armt.state_bytes(); armt.full_attention_kv_bytes(num_tokens); armt.save(path); ARMTModel.load(path)

@@ -20,10 +20,12 @@ import numpy as np
 from jaxlongctx.armt.memory import MemoryState, read, zero_state
 from jaxlongctx.armt.segments import compact, segment, token_rows
 from jaxlongctx.armt.sequential import segment_through_layers
-from jaxlongctx.generate import Request, choose_next
+from jaxlongctx.cache_choice import ARMTMemory
+from jaxlongctx.decode_loop import Request, choose_next
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model.attention import attention
 from jaxlongctx.model.rope import rope_tables
+from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.sharding import put_batch
 from jaxlongctx.validation import check_ids
 
@@ -67,7 +69,7 @@ def _window_logits(
 def _decode_step(
     model: Any,
     sampler: tuple,
-    eos: tuple[int, ...],
+    stop: tuple[int, ...],
     pad_id: int,
     params: Any,
     state: MemoryState,
@@ -80,7 +82,7 @@ def _decode_step(
 ):
     """Pick the next token `[B]` and run it at window slot `pos [B]`; returns it, the done flags,
     its logits `[B, V]`, the cache and the window's ids `[B, 2S]`."""
-    tok, done = choose_next(sampler, eos, pad_id, logits, key, done)
+    tok, done = choose_next(sampler, stop, pad_id, logits, key, done)
     base, mem = model.merge(params)
     hit = jnp.arange(window.shape[1])[None] == pos[:, None]  # B 2S: each row's slot (selects, not scatters,
     window = jnp.where(hit, tok[:, None], window)  # so rows may be split over devices)
@@ -117,13 +119,14 @@ def _commit(
     return state, cache._replace(key_valid=cache.key_valid & ~commit[:, None])
 
 
-def _compiled(model: Any, sampler: tuple, eos: tuple, pad_id: int):
+def _compiled(model: Any, sampler: tuple, stop: tuple, pad_id: int):
+    """Jitted prefill, decode step and commit for these static settings (cached on the model)."""
     cache = model.__dict__.setdefault("_generate_fns", {})
-    key = (sampler, eos, pad_id)
+    key = (sampler, stop, pad_id)
     if key not in cache:
         cache[key] = (
             jax.jit(partial(_prefill, model)),
-            jax.jit(partial(_decode_step, model, sampler, eos, pad_id), donate_argnums=(2,)),
+            jax.jit(partial(_decode_step, model, sampler, stop, pad_id), donate_argnums=(2,)),
             jax.jit(partial(_commit, model), donate_argnums=(2,)),
         )
     return cache[key]
@@ -220,43 +223,26 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
 def generate_ids(
     model: Any,
     ids: Any,
-    max_new_tokens: int,
+    sampling: SamplingParams,
+    memory: ARMTMemory,
     *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
-    eos_id: int | list[int] | None = None,
     attention_mask: Any = None,
     progress: bool = False,
-    schedule: str = "diagonal",
     timings: dict | None = None,
 ) -> np.ndarray:
-    """Generate `max_new_tokens` after `ids [B, T]` (pads anywhere, per `attention_mask`); returns
-    ids `[B, T + new]`. The prompt's segments but its last run through `schedule`; decoding reads the
-    memory only, in the window opened by the prompt's last segment (see the module docstring).
-    `timings` (a dict) receives `prefill_s` (prompt segments and window), `decode_s` and `decode_steps`
-    (window commits included)."""
-    if schedule not in ("diagonal", "sequential"):
-        raise ValueError(f"schedule must be 'diagonal' or 'sequential', got {schedule!r}")
+    """Generate `sampling.max_new_tokens` after `ids [B, T]` (pads anywhere, per `attention_mask`);
+    returns ids `[B, T + new]`. The prompt's segments but its last run through `memory.schedule`;
+    decoding reads the memory only, in the window opened by the prompt's last segment (see the module
+    docstring). `timings` (a dict) receives `prefill_s` (prompt segments and window), `decode_s` and
+    `decode_steps` (window commits included)."""
     S = model.armt.segment_size
-    req = Request.parse(
-        model.config,
-        ids,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        eos_id=eos_id,
-        attention_mask=attention_mask,
-    )
+    req = Request.parse(model, ids, sampling, attention_mask)
     ids_c, lengths, _ = compact(req.ids, req.mask)
     start, before = window_starts(model, ids_c, lengths)  # B (every row has a real token)
     params, mesh = model.params, model.base.mesh
     prefill, step, commit = _compiled(model, *req.static_key)
     t0 = time.perf_counter()
-    state = _prompt_state(model, ids_c, start, before, schedule)
+    state = _prompt_state(model, ids_c, start, before, memory.schedule)
     window = _window_rows(ids_c, start, lengths, 2 * S)
     logits, cache = jax.block_until_ready(
         prefill(params, state, put_batch(window, mesh), put_batch(lengths - start, mesh))

@@ -27,6 +27,7 @@ from jaxlongctx.armt.projections import DiagonalProjections, as_projections
 from jaxlongctx.armt.segments import Segments, compact, grid_starts, segment, segment_at, token_rows
 from jaxlongctx.armt.sentences import SentenceSegmenter, make_segmenter
 from jaxlongctx.armt.sequential import sequential_forward
+from jaxlongctx.cache_choice import ARMTMemory, CacheChoice, OwnMemoryModel
 from jaxlongctx.checkpoint import (
     CheckpointError,
     atomic_directory,
@@ -41,12 +42,13 @@ from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.model import Model
 from jaxlongctx.model.rope import inverse_frequencies
 from jaxlongctx.parallel import param_shardings, shard_memory
+from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.validation import check_ids, check_mask, check_positive_int
 
 SCHEDULES = stream.SCHEDULES
 
 
-class ARMTModel:
+class ARMTModel(OwnMemoryModel):
     """`armt_model(ids, attention_mask=None, schedule="diagonal") -> logits [B, T, V]` (float32).
 
     Rows are independent: each row's real tokens (per `attention_mask`, pads anywhere) are cut into
@@ -244,9 +246,28 @@ class ARMTModel:
         return stream.feed(self, self.params, state, None, True, drain=True)
 
     # --- generation -----------------------------------------------------------------------------
-    def generate_ids(self, ids: Any, max_new_tokens: int, **kwargs: Any) -> np.ndarray:
-        """Autoregressive generation (called by `jaxlongctx.generate`); extra option `schedule`."""
-        return generate_ids(self, ids, max_new_tokens, **kwargs)
+    def generate(
+        self,
+        ids: Any,
+        params: SamplingParams,
+        *,
+        cache: CacheChoice | None = None,
+        stream: Callable[[np.ndarray], Any] | None = None,
+        **options: Any,
+    ) -> np.ndarray:
+        """`jaxlongctx.generate` for ARMT: ids `[B, T]` -> `[B, T + new]`, decoding over the memory
+        (`cache` None or `ARMTMemory(schedule)`; `options`: attention_mask, progress, timings; see
+        `jaxlongctx.armt.generation`)."""
+        if cache is None:
+            cache = ARMTMemory()
+        if not isinstance(cache, ARMTMemory):
+            raise ValueError(
+                f"cache={type(cache).__name__}(...) applies to full-attention models; an ARMT model keeps "
+                "its own recurrent memory (pass cache=ARMTMemory() or leave it out)"
+            )
+        if stream is not None:
+            raise ValueError("stream= is not supported for ARMT models; generate and decode the ids instead")
+        return generate_ids(self, ids, params, cache, **options)
 
     def generation_logits(self, ids: Any, prompt_length: int, schedule: str = "diagonal") -> jnp.ndarray:
         """Logits `[B, T, V]` of ids `[B, T]` as decoding after their first `prompt_length` tokens

