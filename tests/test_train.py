@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from jaxlongctx.armt.sentences import SentenceSegmenter
+from jaxlongctx.commands.train_lm import add_train_lm_arguments, run_train_lm
 from jaxlongctx.data.haystack import CODE_DIGITS, code_split_by_boundary, held_out_batch
 from jaxlongctx.data.tokenizer import BOS_ID, encode_corpus, load_default_tokenizer
 from jaxlongctx.demo import ARMT_MODEL, BASE_MODEL
@@ -35,7 +36,7 @@ from jaxlongctx.train.armt_finetune import (
 )
 from jaxlongctx.train.data import TokenWindows, eval_windows
 from jaxlongctx.train.evaluate import forward_with_kv_transform, unigram_baseline
-from jaxlongctx.train.lm import QUICK_CONFIG, add_train_lm_arguments, run_train_lm
+from jaxlongctx.train.lm import QUICK_CONFIG
 from jaxlongctx.train.optim import OptimConfig, learning_rate
 
 
