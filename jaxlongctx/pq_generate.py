@@ -21,12 +21,13 @@ from jax.sharding import PartitionSpec as P
 from jaxlongctx.cache_choice import PQKV
 from jaxlongctx.decode_loop import Request, bucket_length, choose_next, last_real_index
 from jaxlongctx.kvcache.model_codebooks import check_codebooks
-from jaxlongctx.kvcache.pq_cache import PQCache, flush_full_rows, write_window
+from jaxlongctx.kvcache.pq_cache import PQCache, flush_full_rows
+from jaxlongctx.model.attention_strategies import PQDecode
 from jaxlongctx.model.layers import DecoderLayer
 from jaxlongctx.model.llama import Llama, forward_hidden
 from jaxlongctx.model.model import Model
 from jaxlongctx.sampling import SamplingParams
-from jaxlongctx.sharding import LOGICAL_AXES, per_kv_shard, put, put_batch, sharded_pq_decode_attention
+from jaxlongctx.sharding import LOGICAL_AXES, per_kv_shard, put, put_batch
 
 
 def pq_prefill(
@@ -75,17 +76,13 @@ def pq_decode_hidden(
     """One decode step: ids/positions `[B, 1]`, stacked centroids `[L, (K,) M, C, ds]` -> hidden `[B, 1, D]`, cache."""
     cache = per_kv_shard(flush_full_rows, _cache_specs(cache.lengths), cache, k_cent, v_cent)
     cos, sin = module.rope(positions)
-    scale = module.config.head_dim**-0.5
     at = cache.window_lengths  # window slot of the new token, per row
 
     def body(layer: DecoderLayer, h, xs):
         k_codes, v_codes, k_win, v_win, kc, vc = xs  # one layer: [B K T M], [B K R D], [(K,) M C ds]
-        q, k, v = layer.project_qkv(h, cos, sin)  # q [B 1 H D], k/v [B 1 K D]
-        k_win, v_win = write_window(k_win, k[:, 0], at), write_window(v_win, v[:, 0], at)
-        out = sharded_pq_decode_attention(
-            q[:, 0], k_codes, v_codes, kc, vc, cache.lengths, k_win, v_win, at + 1, scale, backend=backend
-        )  # [B H D]
-        return layer.finish(h, out[:, None]), (k_win, v_win)
+        return layer(
+            h, cos, sin, PQDecode(k_codes, v_codes, kc, vc, cache.lengths, k_win, v_win, at, backend)
+        )
 
     xs = (cache.k_codes, cache.v_codes, cache.k_window, cache.v_window, k_cent, v_cent)
     h, (k_win, v_win) = module.scan_layers(body, module.embed_ids(ids), xs)

@@ -27,7 +27,7 @@ from test_armt_utils import TinyTokenizer
 import jaxlongctx
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache.dense import DenseCache
-from jaxlongctx.model.attention import attention
+from jaxlongctx.model.attention_strategies import SlotAttention
 from jaxlongctx.model.llama import forward_hidden, positions_from_mask
 from jaxlongctx.parallel import make_mesh, shard_model
 from jaxlongctx.sharding import cache_sharding, put_batch
@@ -124,9 +124,8 @@ def layer_collectives(model: jaxlongctx.Model) -> dict[str, int]:
     def one_layer(layer_state, h, mask):
         layer = nnx.merge(graphdef, layer_state)
         cos, sin = model.module.rope(positions_from_mask(mask))
-        q, k, v = layer.project_qkv(h, cos, sin)
         slots = jnp.broadcast_to(jnp.arange(mask.shape[1]), mask.shape)
-        return layer.finish(h, attention(q, k, v, slots, mask))
+        return layer(h, cos, sin, SlotAttention(slots, mask))[0]
 
     hlo = jax.jit(one_layer).lower(first, h, mask).compile().as_text()
     return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in COLLECTIVES}

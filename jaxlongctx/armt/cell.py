@@ -1,13 +1,13 @@
-"""One ARMT cell: one segment through one layer (memory read, decoder layer, memory write).
+"""One ARMT cell: one segment through one layer (associative memory read, decoder layer, write).
 
 A segment buffer has `R = S + M` rows: `S` token slots (the first `n` of them real) then the `M`
-memory rows. Memory rows get RoPE positions `n .. n + M - 1`, missing token slots are invalid keys,
-so every short segment is computed exactly as if it had been cut to `n + M` rows. A segment with
-`n == 0` (padding) never writes the memory. `first` marks a row's first segment of a document: it
-starts from zero state and uses the first-segment write rule.
+memory-token rows. Memory-token rows get RoPE positions `n .. n + M - 1`, missing token slots are
+invalid keys, so every short segment is computed exactly as if it had been cut to `n + M` rows. A
+segment with `n == 0` (padding) never writes the associative memory. `first` marks a row's first
+segment of a document: it starts from a zero memory state and uses the first-segment write rule.
 
 The cell also runs several layers at once (a grouped diagonal step): every input then carries a
-leading group axis `G`, the layer and memory hold their weights for the group, and `dense` and
+leading group axis `G`, the layer and the memory weights hold the group's weights, and `dense` and
 `project` multiply group g by its own layer's weights.
 """
 
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlongctx.armt.config import ARMTConfig
-from jaxlongctx.armt.memory import LayerMemory, Project, project, read, write
-from jaxlongctx.model.attention import causal_prefill_attention
+from jaxlongctx.armt.memory import MemoryWeights, Project, project, read, write
+from jaxlongctx.model.attention_strategies import CausalPrefill
 from jaxlongctx.model.layers import DecoderLayer, Dense
 from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.rope import rope_tables
@@ -35,31 +35,18 @@ def segment_layout(n: jnp.ndarray, cfg: ARMTConfig) -> tuple[jnp.ndarray, jnp.nd
     return positions, key_valid
 
 
-def embed_segment(base: Llama, memory: jnp.ndarray, ids: jnp.ndarray) -> jnp.ndarray:
+def embed_segment(base: Llama, memory_tokens: jnp.ndarray, ids: jnp.ndarray) -> jnp.ndarray:
     """Segment buffer `[B, R, D]`: token embeddings of ids `[B, S]` then the memory tokens `[M, D]`."""
     tok = base.embed_ids(ids)
-    mem = reshard_like(jnp.broadcast_to(memory.astype(tok.dtype), (tok.shape[0], *memory.shape)), tok)
-    return jnp.concatenate([tok, mem], axis=1)
-
-
-def segment_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, key_valid: jnp.ndarray) -> jnp.ndarray:
-    """Causal attention within segment buffers, q `[..., B, R, H, hd]`, k/v `[..., B, R, K, hd]`, key_valid
-    `[..., B, R]`: buffer row i sees the valid rows <= i (memory rows sit after the tokens)."""
-    lead = q.shape[:-3]
-    if len(lead) == 1:
-        return causal_prefill_attention(q, k, v, key_valid, chunk=CELL_ATTENTION_CHUNK)
-    rows = lambda x, tail: x.reshape(-1, *x.shape[-tail:])
-    out = causal_prefill_attention(
-        rows(q, 3), rows(k, 3), rows(v, 3), rows(key_valid, 1), chunk=CELL_ATTENTION_CHUNK
-    )
-    return out.reshape(*lead, *out.shape[1:])
+    rows = jnp.broadcast_to(memory_tokens.astype(tok.dtype), (tok.shape[0], *memory_tokens.shape))
+    return jnp.concatenate([tok, reshard_like(rows, tok)], axis=1)
 
 
 def cell(
     cfg: ARMTConfig,
     inv_freq: np.ndarray,
     layer: DecoderLayer,
-    mem: LayerMemory,
+    weights: MemoryWeights,
     h: jnp.ndarray,
     A: jnp.ndarray,
     z: jnp.ndarray,
@@ -68,15 +55,15 @@ def cell(
     dense: Dense = matmul,
     proj: Project = project,
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-    """Segment buffers `h [B, R, D]` through one layer with its memory `A [B, dk, D]`, `z [B, dk]`;
-    `n [B]` tokens per row, `first [B]`. Returns the layer output and the updated state."""
+    """Segment buffers `h [B, R, D]` through one layer with its memory weights and memory state
+    `A [B, dk, D]`, `z [B, dk]`; `n [B]` tokens per row, `first [B]`. Returns the layer output and the
+    updated state. The buffer's row i attends to its valid rows <= i (memory tokens after the tokens)."""
     a0 = jnp.where(first[..., None, None], 0, A).astype(A.dtype)
     z0 = jnp.where(first[..., None], 0, z).astype(z.dtype)
-    h = read(h, mem, a0, z0, proj)
+    h = read(h, weights, a0, z0, proj)
     positions, key_valid = segment_layout(n, cfg)
     cos, sin = rope_tables(positions, inv_freq)
-    q, k, v = layer.project_qkv(h, cos, sin, dense)
-    h = layer.finish(h, segment_attention(q, k, v, key_valid), dense)
-    a1, z1 = write(h[..., cfg.segment_size :, :], mem, a0, z0, first, proj)
+    h, _ = layer(h, cos, sin, CausalPrefill(key_valid, chunk=CELL_ATTENTION_CHUNK), dense)
+    a1, z1 = write(h[..., cfg.segment_size :, :], weights, a0, z0, first, proj)
     writes = n > 0
     return h, jnp.where(writes[..., None, None], a1, A), jnp.where(writes[..., None], z1, z)

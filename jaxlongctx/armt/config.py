@@ -12,7 +12,7 @@ NU = 3  # DPFP feature-map order (spec 1.3)
 
 @dataclasses.dataclass(frozen=True)
 class ARMTConfig:
-    """ARMT settings: `segment_size` input tokens per segment, `num_mem_tokens` memory rows,
+    """ARMT settings: `segment_size` input tokens per segment, `num_mem_tokens` memory tokens,
     memory key size `d_mem` (feature size `d_key = 2 * NU * d_mem`) and the A/z state dtype."""
 
     segment_size: int
@@ -36,7 +36,7 @@ class ARMTConfig:
 
     @property
     def rows(self) -> int:
-        """Rows of one segment buffer: `segment_size` token rows then `num_mem_tokens` memory rows."""
+        """Rows of one segment buffer: `segment_size` token rows then `num_mem_tokens` memory-token rows."""
         return self.segment_size + self.num_mem_tokens
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 single-layer cell over the stacked layer weights, one diagonal per step.
 
 The pipeline keeps, per layer slot `l`, the segment buffer that layer `l` processes next
-(`h [L, B, R, D]`, its token counts and first flags) and the layer's memory `A, z`. A step runs the
+(`h [L, B, R, D]`, its token counts and first flags) and the layer's memory state `A, z`. A step runs the
 occupied window of layers `[a, b)` (a static slice of the stacked weights), moves every output one
 slot down and emits the segment leaving the last layer to the head. Steps with every layer busy are
 a `jax.lax.scan` in fixed-size chunks; ramp-up and ramp-down steps run only their active layers
@@ -40,7 +40,7 @@ Block = tuple[str, Any]  # ("full", count) or ("steps", tuple[Step, ...])
 
 class Pipeline(NamedTuple):
     """In-flight segments per layer slot (h `[L, B, R, D]`, n `[L, B]`, first `[L, B]`) and the
-    per-layer memory A `[L, B, dk, D]`, z `[L, B, dk]`."""
+    per-layer memory state A `[L, B, dk, D]`, z `[L, B, dk]`."""
 
     h: jnp.ndarray
     n: jnp.ndarray
@@ -50,7 +50,7 @@ class Pipeline(NamedTuple):
 
 
 def empty_pipeline(model: Any, state: MemoryState) -> Pipeline:
-    """A pipeline with no segment in flight, holding memory `state`."""
+    """A pipeline with no segment in flight, holding the memory state `state`."""
     cfg, armt = model.config, model.armt
     L, b = cfg.num_layers, state.A.shape[1]
     h, n, first = (
@@ -109,8 +109,8 @@ def _step(
     projections: DiagonalProjections,
     graphdef: nnx.GraphDef,
     layer_state: Any,
-    mem: Any,
-    memory: jnp.ndarray,
+    memory_weights: Any,
+    memory_tokens: jnp.ndarray,
     base: Any,
     pipe: Pipeline,
     a: int,
@@ -123,24 +123,26 @@ def _step(
     h, n, first, A, z = pipe
     if seg is not None:
         ids, seg_n, seg_first = seg
-        h = h.at[0].set(embed_segment(base, memory, ids))
+        h = h.at[0].set(embed_segment(base, memory_tokens, ids))
         n, first = n.at[0].set(seg_n), first.at[0].set(seg_first)
 
     @functools.partial(remat_cell, model)
-    def one(ls, lm, hh, aa, zz, nn, ff):
-        return cell(armt, model.inv_freq, nnx.merge(graphdef, ls), lm, hh, aa, zz, nn, ff)
+    def one(ls, mw, hh, aa, zz, nn, ff):
+        return cell(armt, model.inv_freq, nnx.merge(graphdef, ls), mw, hh, aa, zz, nn, ff)
 
     def layer_cell(xs):  # one layer's cell, its weights read in place from the stacked ones
         layer, *rest = xs
         return one(
-            jax.tree.map(lambda w: w[layer], layer_state), jax.tree.map(lambda w: w[layer], mem), *rest
+            jax.tree.map(lambda w: w[layer], layer_state),
+            jax.tree.map(lambda w: w[layer], memory_weights),
+            *rest,
         )
 
     if projections.resolve(model.base.mesh is not None) == "grouped_matmul":
-        layer, lm = grouped_weights(graphdef, layer_state, mem, a, b)
+        layer, mem_weights = grouped_weights(graphdef, layer_state, memory_weights, a, b)
         dense, proj = grouped_products(a, b - a, projections.kernel)
         out, a2, z2 = cell(
-            armt, model.inv_freq, layer, lm, h[a:b], A[a:b], z[a:b], n[a:b], first[a:b], dense, proj
+            armt, model.inv_freq, layer, mem_weights, h[a:b], A[a:b], z[a:b], n[a:b], first[a:b], dense, proj
         )
     elif batch_cells(
         cpu, b - a, L, h.shape[1], armt.rows
@@ -148,7 +150,7 @@ def _step(
         window = lambda x: x[a:b]
         out, a2, z2 = jax.vmap(one)(
             jax.tree.map(window, layer_state),
-            jax.tree.map(window, mem),
+            jax.tree.map(window, memory_weights),
             h[a:b],
             A[a:b],
             z[a:b],
@@ -175,9 +177,10 @@ def _run_block(
     segs: Segments,
 ) -> tuple[Pipeline, jnp.ndarray]:
     TRACES[("diagonal", block)] += 1
-    base, mem = model.merge(params)
+    base, memory_params = model.merge(params)
     graphdef, layer_state = nnx.split(base.layers)
-    args = (model, cpu, projections, graphdef, layer_state, mem.layers(), mem.memory[...], base)
+    memory_weights, memory_tokens = memory_params.layers(), memory_params.memory[...]
+    args = (model, cpu, projections, graphdef, layer_state, memory_weights, memory_tokens, base)
     L = model.config.num_layers
     if block[0] == "full":
         return jax.lax.scan(lambda p, seg: _step(*args, p, 0, L, seg), pipe, tuple(segs))

@@ -1,10 +1,10 @@
 """ARMT generation: every segment of the prompt but its last runs through a schedule (writing the
-memory); the prompt's last segment (1..S tokens) stays open as the decoding window, so the answer is
-generated with the question in view even when the prompt fills whole segments. Decoded tokens join
-the window and read (never write) the memory. The window holds up to 2S tokens; once full it is
-committed as two segments (writing the memory) and decoding goes on in plain segments of S tokens,
-each committed when it fills. `generation_logits` gives the logits this layout computes for a
-whole sequence, so that greedy decoding equals its repeated argmax.
+memory state); the prompt's last segment (1..S tokens) stays open as the decoding window, so the
+answer is generated with the question in view even when the prompt fills whole segments. Decoded
+tokens join the window and read (never write) the memory state. The window holds up to 2S tokens;
+once full it is committed as two segments (writing the memory state) and decoding goes on in plain
+segments of S tokens, each committed when it fills. `generation_logits` gives the logits this layout
+computes for a whole sequence, so that greedy decoding equals its repeated argmax.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jaxlongctx.armt.sequential import segment_through_layers
 from jaxlongctx.cache_choice import ARMTMemory
 from jaxlongctx.decode_loop import Request, choose_next
 from jaxlongctx.kvcache.dense import DenseCache
-from jaxlongctx.model.attention import attention
+from jaxlongctx.model.attention_strategies import SlotAttention, SlotWriteDecode
 from jaxlongctx.model.rope import rope_tables
 from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.sharding import put_batch
@@ -31,21 +31,20 @@ from jaxlongctx.validation import check_ids
 
 
 def _window_pass(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray):
-    """Window rows (ids `[B, W]`, `n [B]` real) through every layer, reading the memory without
+    """Window rows (ids `[B, W]`, `n [B]` real) through every layer, reading the memory state without
     writing it; returns the base module, hidden states `[B, W, D]`, keys / values and the valid mask."""
-    base, mem = model.merge(params)
+    base, memory_params = model.merge(params)
     b, w = ids.shape
     valid = jnp.arange(w)[None] < n[:, None]
     slots = jnp.broadcast_to(jnp.arange(w), (b, w))
     cos, sin = rope_tables(slots, model.inv_freq)
 
     def body(layer, h, xs):
-        lm, a, z = xs
-        h = read(h, lm, a, z)
-        q, k, v = layer.project_qkv(h, cos, sin)
-        return layer.finish(h, attention(q, k, v, slots, valid)), (k, v)
+        weights, a, z = xs
+        h = read(h, weights, a, z)
+        return layer(h, cos, sin, SlotAttention(slots, valid, collect_kv=True))
 
-    h, (k, v) = base.scan_layers(body, base.embed_ids(ids), (mem.layers(), *state))
+    h, (k, v) = base.scan_layers(body, base.embed_ids(ids), (memory_params.layers(), *state))
     return base, h, k, v, valid
 
 
@@ -83,22 +82,19 @@ def _decode_step(
     """Pick the next token `[B]` and run it at window slot `pos [B]`; returns it, the done flags,
     its logits `[B, V]`, the cache and the window's ids `[B, 2S]`."""
     tok, done = choose_next(sampler, stop, pad_id, logits, key, done)
-    base, mem = model.merge(params)
+    base, memory_params = model.merge(params)
     hit = jnp.arange(window.shape[1])[None] == pos[:, None]  # B 2S: each row's slot (selects, not scatters,
     window = jnp.where(hit, tok[:, None], window)  # so rows may be split over devices)
     key_valid = cache.key_valid | hit
     cos, sin = rope_tables(pos[:, None], model.inv_freq)
 
     def body(layer, h, xs):
-        lm, a, z, ck, cv = xs  # one layer's memory and cache [B, K, 2S, hd]
-        h = read(h, lm, a, z)
-        q, k, v = layer.project_qkv(h, cos, sin)
-        ck = jnp.where(hit[:, None, :, None], k.swapaxes(1, 2).astype(ck.dtype), ck)
-        cv = jnp.where(hit[:, None, :, None], v.swapaxes(1, 2).astype(cv.dtype), cv)
-        return layer.finish(h, attention(q, ck, cv, pos[:, None], key_valid, heads_major=True)), (ck, cv)
+        weights, a, z, ck, cv = xs  # one layer's memory weights, memory state and cache [B, K, 2S, hd]
+        h = read(h, weights, a, z)
+        return layer(h, cos, sin, SlotWriteDecode(ck, cv, hit, pos, key_valid))
 
     h, (ck, cv) = base.scan_layers(
-        body, base.embed_ids(tok[:, None]), (mem.layers(), *state, cache.k, cache.v)
+        body, base.embed_ids(tok[:, None]), (memory_params.layers(), *state, cache.k, cache.v)
     )
     return tok, done, base.head(h)[:, 0], DenseCache(ck, cv, key_valid), window
 
@@ -112,8 +108,8 @@ def _commit(
     commit: jnp.ndarray,
     first: jnp.ndarray,
 ) -> tuple[MemoryState, DenseCache]:
-    """Run the full segments `seg_ids [B, S]` of rows in `commit [B]` with their memory rows (writing
-    the memory) and empty those rows' caches."""
+    """Run the full segments `seg_ids [B, S]` of rows in `commit [B]` with their memory tokens (writing
+    the memory state) and empty those rows' caches."""
     s = seg_ids.shape[1]
     state, _ = segment_through_layers(model, params, state, seg_ids, jnp.where(commit, s, 0), first & commit)
     return state, cache._replace(key_valid=cache.key_valid & ~commit[:, None])
@@ -153,7 +149,8 @@ def window_starts(
 def _prompt_state(
     model: Any, ids: np.ndarray, opens: np.ndarray, before: list[np.ndarray] | None, schedule: str
 ) -> MemoryState:
-    """Memory after the segments of left-aligned rows `ids [B, T]` ahead of their windows (`window_starts`)."""
+    """Memory state after the segments of left-aligned rows `ids [B, T]` ahead of their windows
+    (`window_starts`)."""
     if opens.max() == 0:
         return zero_state(model, ids.shape[0])
     state, _ = model.run_segments(model.params, model.segments(ids, opens, before)[0], schedule)
@@ -171,7 +168,7 @@ def _window_rows(ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, width: 
 def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = "diagonal") -> jnp.ndarray:
     """The logits `[B, T, V]` that decoding after the first `prompt_length` tokens of `ids [B, T]`
     (no padding) computes at every position: those of the plain forward, except in the decoding window
-    `[o, o + 2S)` that starts with the prompt's last segment, whose rows read the memory of the
+    `[o, o + 2S)` that starts with the prompt's last segment, whose rows read the memory state of the
     segments before `o` and attend across the window. Greedy decoding equals its repeated argmax."""
     ids = check_ids(ids, model.config.vocab_size)
     b, t = ids.shape
@@ -205,7 +202,7 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
     rest = None
     if t > stop.min():  # a window was committed as two segments: plain segments from there on
         segs = segment(_window_rows(ids, start, np.full(b, t), t - int(start.min())), t - start, S)
-        segs = segs._replace(first=segs.first & (start == 0))  # continues the prompt's memory
+        segs = segs._replace(first=segs.first & (start == 0))  # continues the prompt's memory state
         _, rest = model.run_segments(model.params, segs, schedule, state)  # nS B S V
         rest = token_rows(rest, None, rest.shape[0] * S)  # B nS*S V, from each row's window start
     if np.all(start == start[0]):  # one window for every row: prefix, window, rest side by side

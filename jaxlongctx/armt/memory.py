@@ -1,6 +1,11 @@
 """The associative memory (spec 1.3-1.5): DPFP feature map, read and write of one layer, and the
 per-layer memory state of a whole model (`MemoryState`, `zero_state`) that every schedule carries.
 
+Words: the *memory state* is the associative memory itself, `A` and `z` per layer (what a schedule
+carries from segment to segment); the *memory weights* (`MemoryWeights`: W_mq, W_mk, W_mv, W_mb,
+b_mb) are the learned projections that read and write it; the *memory tokens* are the learned
+embeddings appended to every segment (see `jaxlongctx.armt.params`).
+
 Pure functions. Whatever the weight dtype, the projections accumulate in float32 and the read and
 write arithmetic on the state `A [B, d_key, D]`, `z [B, d_key]` runs in float32; the updated state is
 cast back to its own dtype. Read and write accept extra leading axes (a grouped diagonal step's `G`)
@@ -21,8 +26,8 @@ from jaxlongctx.sharding import memory_state_shardings, reshard_like
 EPS = 1e-5  # the three literal eps sites of the reference (read, write and gamma denominators)
 
 
-class LayerMemory(NamedTuple):
-    """Memory projections of one layer (or of all layers, stacked `[L, ...]`)."""
+class MemoryWeights(NamedTuple):
+    """Memory weights (the read/write projections) of one layer (or of all layers, stacked `[L, ...]`)."""
 
     wq: jnp.ndarray  # D d_mem
     wk: jnp.ndarray  # D d_mem
@@ -32,14 +37,15 @@ class LayerMemory(NamedTuple):
 
 
 class MemoryState(NamedTuple):
-    """Per-layer associative memory: A `[L, B, d_key, D]`, z `[L, B, d_key]` (state dtype)."""
+    """The memory state (the associative memory of every layer): A `[L, B, d_key, D]`, z `[L, B, d_key]`
+    (state dtype)."""
 
     A: jnp.ndarray
     z: jnp.ndarray
 
 
 def zero_state(model: Any, batch: int) -> MemoryState:
-    """All-zero memory for `batch` rows."""
+    """All-zero memory state for `batch` rows."""
     cfg, armt = model.config, model.armt
     state = MemoryState(
         jnp.zeros((cfg.num_layers, batch, armt.d_key, cfg.hidden_size), armt.state_dtype),
@@ -69,10 +75,10 @@ def dpfp(x: jnp.ndarray) -> jnp.ndarray:
 
 
 def read(
-    h: jnp.ndarray, mem: LayerMemory, A: jnp.ndarray, z: jnp.ndarray, proj: Project = project
+    h: jnp.ndarray, weights: MemoryWeights, A: jnp.ndarray, z: jnp.ndarray, proj: Project = project
 ) -> jnp.ndarray:
     """`h + phi(h W_mq) A / (phi(h W_mq) . z + eps)` for every row: h `[B, T, D]` -> `[B, T, D]`."""
-    q = dpfp(proj(h, mem.wq))  # B T dk
+    q = dpfp(proj(h, weights.wq))  # B T dk
     num = jnp.einsum("...tk,...kd->...td", q, A.astype(jnp.float32))
     den = jnp.einsum("...tk,...k->...t", q, z.astype(jnp.float32)) + EPS
     num = reshard_like(num, h)  # on a mesh: gather A's value columns (split over tp) once per layer
@@ -81,18 +87,18 @@ def read(
 
 def write(
     m: jnp.ndarray,
-    mem: LayerMemory,
+    weights: MemoryWeights,
     A: jnp.ndarray,
     z: jnp.ndarray,
     first: jnp.ndarray,
     proj: Project = project,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Update `A [B, dk, D]`, `z [B, dk]` from the layer output at the memory rows `m [B, M, D]`;
+    """Update `A [B, dk, D]`, `z [B, dk]` from the layer output at the memory-token rows `m [B, M, D]`;
     rows with `first [B]` use the first-segment rule (vbar = 0, gamma = 1)."""
-    k = dpfp(proj(m, mem.wk))  # B M dk
-    v = proj(m, mem.wv)  # B M D
-    logit = proj(m, mem.wb[..., None])[..., 0]  # B M
-    bias = mem.bb.astype(jnp.float32)  # () per layer, [G] on a grouped step
+    k = dpfp(proj(m, weights.wk))  # B M dk
+    v = proj(m, weights.wv)  # B M D
+    logit = proj(m, weights.wb[..., None])[..., 0]  # B M
+    bias = weights.bb.astype(jnp.float32)  # () per layer, [G] on a grouped step
     beta = jax.nn.sigmoid(logit + bias.reshape(*bias.shape, *(1,) * (logit.ndim - bias.ndim)))  # B M
     a32, z32 = A.astype(jnp.float32), z.astype(jnp.float32)
     den = jnp.einsum("...mk,...k->...m", k, z32) + EPS

@@ -54,7 +54,7 @@ class ARMTModel(OwnMemoryModel):
     Rows are independent: each row's real tokens (per `attention_mask`, pads anywhere) are cut into
     segments as if the row were alone: on a fixed grid of S tokens, or with `segmentation =
     "sentences"` after sentence ends (see `jaxlongctx.armt.sentences`; the calls and generation, not
-    streaming). Parameters are `(base_state, memory_state)`.
+    streaming). Parameters are `(base parameters, memory parameters)` (see `params`).
     """
 
     def __init__(self, base: Llama, armt: ARMTConfig, memory: MemoryParams, tokenizer: Any = None):
@@ -104,11 +104,12 @@ class ARMTModel(OwnMemoryModel):
 
     @property
     def params(self) -> tuple[nnx.State, nnx.State]:
-        """`(base_state, memory_state)`: the differentiable parameter pytree."""
+        """`(base parameters, memory parameters)` as `nnx.State`s: the differentiable parameter pytree."""
         return self.base.params, nnx.state(self.memory)
 
     def merge(self, params: tuple[nnx.State, nnx.State]) -> tuple[Llama, MemoryParams]:
-        """The base module and memory module rebuilt from `params` (use inside traced functions)."""
+        """The base module and the memory parameters (`MemoryParams`) rebuilt from `params` (use inside
+        traced functions)."""
         return self.base.merge(params[0]), nnx.merge(self._memory_graphdef, params[1])
 
     def astype(self, dtype: jnp.dtype) -> ARMTModel:
@@ -128,7 +129,8 @@ class ARMTModel(OwnMemoryModel):
         return self
 
     def set_memory_params(self, **arrays: Any) -> ARMTModel:
-        """Set memory parameters by name (memory, wq, wk, wv, wb, bb), shapes checked; returns self."""
+        """Set memory parameters by name (memory: the memory tokens; wq, wk, wv, wb, bb: the memory
+        weights), shapes checked; returns self."""
         for name, value in arrays.items():
             if name not in ("memory", "wq", "wk", "wv", "wb", "bb"):
                 raise ValueError(f"unknown memory parameter {name!r}")
@@ -154,8 +156,8 @@ class ARMTModel(OwnMemoryModel):
     def run_segments(
         self, params: Any, segs: Segments, schedule: str = "diagonal", state: MemoryState | None = None
     ) -> tuple[MemoryState, jnp.ndarray]:
-        """Segments `[nS, B, S]` through `schedule` -> final memory and logits `[nS, B, S, V]` (pure in
-        `params`, so differentiable). Where the diagonal schedule would not pay off (`diagonal_pays_off`:
+        """Segments `[nS, B, S]` through `schedule` -> final memory state and logits `[nS, B, S, V]` (pure
+        in `params`, so differentiable). Where the diagonal schedule would not pay off (`diagonal_pays_off`:
         CPU with large segments or few of them), its cells run in sequential order instead: the same
         results, as fast as the sequential schedule."""
         if schedule == "diagonal":
@@ -205,7 +207,7 @@ class ARMTModel(OwnMemoryModel):
     def run(
         self, ids: Any, attention_mask: Any = None, schedule: str = "diagonal"
     ) -> tuple[jnp.ndarray, MemoryState]:
-        """Logits `[B, T, V]` (zeros at pads) and the final per-layer memory for ids `[B, T]`."""
+        """Logits `[B, T, V]` (zeros at pads) and the final memory state for ids `[B, T]`."""
         ids = check_ids(ids, self.config.vocab_size)
         mask = check_mask(attention_mask, ids)
         ids_c, lengths, order = compact(ids, mask)
@@ -276,7 +278,7 @@ class ARMTModel(OwnMemoryModel):
 
     # --- memory accounting ----------------------------------------------------------------------
     def state_bytes(self, batch: int = 1) -> int:
-        """Bytes of the recurrent state: A and z of every layer plus the memory tokens."""
+        """Bytes of the recurrent state: the memory state (A and z of every layer) plus the memory tokens."""
         L, d, dk = self.config.num_layers, self.config.hidden_size, self.armt.d_key
         item = self.armt.state_dtype.itemsize
         return batch * L * dk * (d + 1) * item + self.memory.memory[...].nbytes

@@ -1,4 +1,4 @@
-"""`MemoryParams`: the parameters ARMT adds to a Llama model, per-layer ones stacked `[L, ...]`."""
+"""`MemoryParams`: the memory parameters ARMT adds to a Llama model (memory tokens and memory weights)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlongctx.armt.config import ARMTConfig
-from jaxlongctx.armt.memory import LayerMemory
+from jaxlongctx.armt.memory import MemoryWeights
 
 
 class MemoryParams(nnx.Module):
-    """Memory tokens `[M, D]` and per-layer `W_mq, W_mk [L, D, d_mem]`, `W_mv [L, D, D]`,
-    `W_mb [L, D]`, `b_mb [L]` with the reference initialisation (W_mv zeros, so A stays 0)."""
+    """The memory tokens `memory [M, D]` (attribute name kept: it is the checkpoint key) and the memory
+    weights of every layer, `W_mq, W_mk [L, D, d_mem]`, `W_mv [L, D, D]`, `W_mb [L, D]`, `b_mb [L]`, with
+    the reference initialisation (W_mv zeros, so the memory state A stays 0)."""
 
     def __init__(
         self,
@@ -39,13 +40,13 @@ class MemoryParams(nnx.Module):
         self.wb = uniform(kb, (num_layers, hidden))
         self.bb = uniform(kbb, (num_layers,))
 
-    def layers(self) -> LayerMemory:
-        """The per-layer projections as a pytree of `[L, ...]` arrays."""
-        return LayerMemory(self.wq[...], self.wk[...], self.wv[...], self.wb[...], self.bb[...])
+    def layers(self) -> MemoryWeights:
+        """The memory weights of every layer as a pytree of `[L, ...]` arrays."""
+        return MemoryWeights(self.wq[...], self.wk[...], self.wv[...], self.wb[...], self.bb[...])
 
     def randomize(self, key: jax.Array, scale: float = 1.0) -> None:
         """Replace W_mq, W_mk, W_mv, W_mb, b_mb by `normal * scale / sqrt(D)` (bias: `normal * scale`),
-        in place; gives a non-trivial memory (the reference init keeps A == 0 forever)."""
+        in place; gives a non-trivial memory state (the reference init keeps A == 0 forever)."""
         hidden = self.wv.shape[-1]
         for k, name in zip(jax.random.split(key, 5), ("wq", "wk", "wv", "wb", "bb")):
             p = getattr(self, name)

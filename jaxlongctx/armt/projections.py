@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlongctx.armt.memory import LayerMemory, Project
+from jaxlongctx.armt.memory import MemoryWeights, Project
 from jaxlongctx.model.layers import DecoderLayer, Dense
 from pallas_kernels.dispatch import BACKENDS, resolve_backend
 
@@ -66,8 +66,9 @@ def as_projections(value: DiagonalProjections | str) -> DiagonalProjections:
 
 
 def grouped_products(first: int, groups: int, kernel: str) -> tuple[Dense, Project]:
-    """The layer's and the memory's products for layers `[first, first + groups)`: x `[G, ..., in]` times
-    stacked weights `[L, in, out]` -> `[G, ..., out]` (the layer's in x's dtype, the memory's in float32)."""
+    """The layer's and the memory weights' products for layers `[first, first + groups)`: x `[G, ..., in]`
+    times stacked weights `[L, in, out]` -> `[G, ..., out]` (the layer's in x's dtype, the memory's in
+    float32)."""
     from pallas_kernels import grouped_matmul
 
     def product(x: jnp.ndarray, w: jnp.ndarray, out_dtype: Any) -> jnp.ndarray:
@@ -80,9 +81,11 @@ def grouped_products(first: int, groups: int, kernel: str) -> tuple[Dense, Proje
 
 
 def grouped_weights(
-    graphdef: nnx.GraphDef, layer_state: Any, mem: LayerMemory, a: int, b: int
-) -> tuple[DecoderLayer, LayerMemory]:
-    """Layers `[a, b)` as one layer and memory with a leading group axis: the weight matrices stay the
-    whole stacked `[L, in, out]` arrays (read in place by the kernel), per-layer vectors are sliced `[G, X]`."""
+    graphdef: nnx.GraphDef, layer_state: Any, memory_weights: MemoryWeights, a: int, b: int
+) -> tuple[DecoderLayer, MemoryWeights]:
+    """Layers `[a, b)` as one layer and one set of memory weights with a leading group axis: the weight
+    matrices stay the whole stacked `[L, in, out]` arrays (read in place by the kernel), per-layer vectors
+    are sliced `[G, X]`."""
     window = lambda w: w if w.ndim == 3 else w[a:b]
-    return nnx.merge(graphdef, jax.tree.map(window, layer_state)), mem._replace(bb=mem.bb[a:b])
+    layer = nnx.merge(graphdef, jax.tree.map(window, layer_state))
+    return layer, memory_weights._replace(bb=memory_weights.bb[a:b])

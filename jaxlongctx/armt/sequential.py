@@ -27,15 +27,16 @@ def segment_through_layers(
 ) -> tuple[MemoryState, jnp.ndarray]:
     """One segment (ids `[B, S]`, `n [B]`, `first [B]`) through all layers in order; returns the new
     state and the token-row logits `[B, S, V]`."""
-    base, mem = model.merge(params)
+    base, memory_params = model.merge(params)
 
     def body(layer, h, xs):
-        lm, a, z = xs
-        one = lambda h, a, z: cell(model.armt, model.inv_freq, layer, lm, h, a, z, n, first)
+        weights, a, z = xs
+        one = lambda h, a, z: cell(model.armt, model.inv_freq, layer, weights, h, a, z, n, first)
         h, a, z = remat_cell(model, one)(h, a, z)
         return h, (a, z)
 
-    h, (A, z) = base.scan_layers(body, embed_segment(base, mem.memory[...], ids), (mem.layers(), *state))
+    h0 = embed_segment(base, memory_params.memory[...], ids)
+    h, (A, z) = base.scan_layers(body, h0, (memory_params.layers(), *state))
     return MemoryState(A, z), base.head(h[:, : model.armt.segment_size])
 
 

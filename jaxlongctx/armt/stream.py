@@ -7,8 +7,8 @@ partial segment is never processed and rolled back). Ready segments run through 
 at once; with the diagonal schedule they stay in flight in the pipeline between calls, so logits come out of `feed` only when their
 segment leaves the last layer (concatenated over `feed`s and the final `flush` they equal the
 one-shot call). Ending a document (`end_document`) turns the row's partial segment into a short
-segment and marks the row's next segment as the first of a new document: it starts from zero memory
-with the first-segment write rule, while the pipeline keeps running.
+segment and marks the row's next segment as the first of a new document: it starts from a zero memory
+state with the first-segment write rule, while the pipeline keeps running.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ SCHEDULES = ("diagonal", "sequential")
 
 @dataclasses.dataclass(frozen=True)
 class ARMTState:
-    """Streaming state: memory (inside `pipe` for the diagonal schedule), per-row token buffers,
-    per-row "next segment starts a document" flags and the token counts of segments in flight."""
+    """Streaming state: the memory state `memory` (inside `pipe` for the diagonal schedule), per-row
+    token buffers, per-row "next segment starts a document" flags and the token counts of segments in
+    flight."""
 
     schedule: str
     memory: MemoryState | None
@@ -47,7 +48,7 @@ class ARMTState:
         return len(self.buffers)
 
     def current_memory(self) -> MemoryState:
-        """The per-layer memory after every segment that has left the model."""
+        """The memory state after every segment that has left the model."""
         return self.memory if self.pipe is None else MemoryState(self.pipe.A, self.pipe.z)
 
 
@@ -55,11 +56,11 @@ def init_state(model: Any, batch: int, schedule: str) -> ARMTState:
     """Empty streams for `batch` rows."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    mem = zero_state(model, batch)
-    pipe = empty_pipeline(model, mem) if schedule == "diagonal" else None
+    memory_state = zero_state(model, batch)
+    pipe = empty_pipeline(model, memory_state) if schedule == "diagonal" else None
     return ARMTState(
         schedule,
-        None if pipe is not None else mem,
+        None if pipe is not None else memory_state,
         pipe,
         None,
         tuple(np.zeros((0,), np.int32) for _ in range(batch)),

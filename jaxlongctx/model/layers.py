@@ -1,18 +1,21 @@
-"""One Llama decoder layer as an NNX module, split into the pieces every schedule composes.
+"""One Llama decoder layer as an NNX module, called with the attention strategy of its schedule.
 
 A layer is `h -> h + attn(norm(h)) -> h + mlp(norm(h))`. Schedules (full forward, cached decode,
-ARMT segments) differ only in how attention sees keys, so the layer exposes `project_qkv` (norm,
-projections, q/k norm, RoPE) and `finish` (output projection, residual, MLP) around it.
+perplexity with a K/V transform, ARMT segments and decoding, PQ decode) differ only in how attention
+sees keys, so `DecoderLayer.__call__(h, cos, sin, attend)` takes that part as an `Attend` function
+(`jaxlongctx.model.attention_strategies` holds one per schedule): it gets the post-RoPE q/k/v and
+returns the attention output and whatever the caller needs back (new cache entries, K/V to collect).
 
-Both take the matrix product as a `Dense` function (default: `sharding.matmul`, the plain product that
-all-reduces a row-parallel one) and accept any leading axes. ARMT's grouped diagonal step uses that:
-its layer holds the stacked weights `[L, in, out]` whole, a leading group axis `G` on every vector
-parameter and on the activations, and a `Dense` that multiplies group g by layer `first + g`.
+The layer takes the matrix product as a `Dense` function (default: `sharding.matmul`, the plain
+product that all-reduces a row-parallel one) and accepts any leading axes. ARMT's grouped diagonal
+step uses that: its layer holds the stacked weights `[L, in, out]` whole, a leading group axis `G` on
+every vector parameter and on the activations, and a `Dense` that multiplies group g by layer `first + g`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,8 @@ from jaxlongctx.model.rope import apply_rope
 from jaxlongctx.sharding import matmul
 
 Dense = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]  # (x [..., in], weight) -> x @ weight [..., out]
+# (q [..., T, H, hd], k [..., T, K, hd], v [..., T, K, hd]), post-RoPE -> (out [..., T, H, hd], aux)
+Attend = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray], tuple[jnp.ndarray, Any]]
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -70,7 +75,16 @@ class DecoderLayer(nnx.Module):
         self.w_up = _dense_init(rngs, (d, f), dtype)
         self.w_down = _dense_init(rngs, (f, d), dtype)
 
-    def project_qkv(
+    def __call__(
+        self, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, attend: Attend, dense: Dense = matmul
+    ) -> tuple[jnp.ndarray, Any]:
+        """The layer on h `[..., T, D]` with RoPE tables cos/sin `[..., T, hd]`; `attend` computes the
+        attention from the post-RoPE q/k/v. Returns the layer output `[..., T, D]` and `attend`'s aux."""
+        q, k, v = self._project_qkv(h, cos, sin, dense)
+        attn_out, aux = attend(q, k, v)
+        return self._finish(h, attn_out, dense), aux
+
+    def _project_qkv(
         self, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, dense: Dense = matmul
     ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
         """Input norm, q/k/v projections, optional q/k norm and RoPE.
@@ -95,7 +109,7 @@ class DecoderLayer(nnx.Module):
             k = rms_norm(k, per_layer(self.k_norm[...], k), cfg.rms_norm_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def finish(self, h: jnp.ndarray, attn_out: jnp.ndarray, dense: Dense = matmul) -> jnp.ndarray:
+    def _finish(self, h: jnp.ndarray, attn_out: jnp.ndarray, dense: Dense = matmul) -> jnp.ndarray:
         """Output projection + residual, then post-norm SwiGLU MLP + residual.
 
         h `[..., T, D]` (the layer input), attn_out `[..., T, H, hd]` -> `[..., T, D]`.

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlongctx.config import ModelConfig
-from jaxlongctx.model.attention import causal_prefill_attention, decode_attention
+from jaxlongctx.model.attention_strategies import CachedDecode, CausalPrefill
 from jaxlongctx.model.layers import DecoderLayer, rms_norm, stacked_layers
 from jaxlongctx.model.rope import inverse_frequencies, rope_tables
 from jaxlongctx.sharding import embed_lookup, reshard_like
@@ -108,9 +108,7 @@ def forward_hidden(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, collect_kv
     cos, sin = model.rope(positions_from_mask(mask))
 
     def body(layer: DecoderLayer, h, _):
-        q, k, v = layer.project_qkv(h, cos, sin)
-        h = layer.finish(h, causal_prefill_attention(q, k, v, mask))
-        return h, ((k, v) if collect_kv else None)
+        return layer(h, cos, sin, CausalPrefill(mask, collect_kv=collect_kv))
 
     h, kv = model.scan_layers(body, model.embed_ids(ids))
     return (h, kv) if collect_kv else h
@@ -146,9 +144,7 @@ def decode_hidden(
 
     def body(layer: DecoderLayer, h, layer_cache):
         ck, cv = layer_cache  # [B, K, S, hd]
-        q, k, v = layer.project_qkv(h, cos, sin)  # k/v: B 1 K hd
-        out = decode_attention(q, ck, cv, k, v, visible)
-        return layer.finish(h, out), tuple(x.swapaxes(1, 2).astype(ck.dtype) for x in (k, v))
+        return layer(h, cos, sin, CachedDecode(ck, cv, visible))
 
     h, (k_new, v_new) = model.scan_layers(body, model.embed_ids(ids), (cache_k, cache_v))  # k_new: L B K 1 hd
     cache_k = jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, slot, 0))

@@ -22,7 +22,7 @@ from jaxlongctx.cli_options import add_model_argument
 from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, code_split_by_starts, held_out_batch
 from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
 from jaxlongctx.kvcache.exact_window import recent_exact_attention
-from jaxlongctx.model.attention import causal_prefill_attention
+from jaxlongctx.model.attention_strategies import CausalPrefill, KVTransformed
 from jaxlongctx.model.layers import DecoderLayer
 from jaxlongctx.model.llama import Llama, positions_from_mask
 from jaxlongctx.train.data import eval_windows
@@ -44,15 +44,17 @@ def forward_with_kv_transform(
     cos, sin = model.rope(positions_from_mask(mask))
 
     def body(layer: DecoderLayer, h, index):
-        q, k, v = layer.project_qkv(h, cos, sin)
-        if kv_transform is None:
-            return layer.finish(h, causal_prefill_attention(q, k, v, mask)), None
-        k_quant, v_quant = kv_transform(k, v, index)
-        if exact_recent > 0:
-            return layer.finish(
-                h, recent_exact_attention(q, k, v, k_quant, v_quant, mask, exact_recent)
-            ), None
-        return layer.finish(h, causal_prefill_attention(q, k_quant, v_quant, mask)), None
+        attend = CausalPrefill(mask)
+        if kv_transform is not None:
+            quantize = lambda k, v: kv_transform(k, v, index)
+            if exact_recent > 0:  # the last `exact_recent` keys exact, the older ones transformed
+                attend = lambda q, k, v: (
+                    recent_exact_attention(q, k, v, *quantize(k, v), mask, exact_recent),
+                    None,
+                )
+            else:
+                attend = KVTransformed(attend, quantize)
+        return layer(h, cos, sin, attend)
 
     h, _ = model.scan_layers(body, model.embed_ids(ids), jnp.arange(model.config.num_layers))
     return model.head(h)
