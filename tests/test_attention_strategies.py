@@ -13,6 +13,7 @@ from jaxlongctx.model.attention_strategies import (
     CachedDecode,
     CausalPrefill,
     KVTransformed,
+    RecentExactKV,
     SlotAttention,
     SlotWriteDecode,
 )
@@ -71,7 +72,7 @@ def test_decode_strategies_match_prefill_on_the_last_token():
 def test_slot_attention_grouped_axis_and_kv_transform_match_causal_prefill():
     """`SlotAttention` at slots 0..T-1 equals the causal prefill; a leading group axis `G` before `B`
     (ARMT's grouped step) is folded into the batch, each group equal to its own call; `KVTransformed`
-    attends over the transformed K/V."""
+    attends over the transformed K/V, `RecentExactKV` over the exact K/V inside its recent window."""
     layer, h, cos, sin, valid = _inputs(1)
     slots = jnp.broadcast_to(jnp.arange(T), (B, T))
     zero_v = lambda k, v: (k, 0.0 * v)
@@ -85,9 +86,10 @@ def test_slot_attention_grouped_axis_and_kv_transform_match_causal_prefill():
         )
         doubled, _ = layer(2.0 * h, cos, sin, CausalPrefill(valid))
         zeroed, (k0, v0) = layer(h, cos, sin, KVTransformed(CausalPrefill(valid, collect_kv=True), zero_v))
-        return full, (k, v), by_slot, none, grouped, doubled, zeroed, (k0, v0)
+        recent = [layer(h, cos, sin, RecentExactKV(valid, zero_v, r))[0] for r in (T, 1)]
+        return full, (k, v), by_slot, none, grouped, doubled, zeroed, (k0, v0), recent
 
-    full, (k, v), by_slot, none, grouped, doubled, zeroed, (k0, v0) = run(h, cos, sin, valid)
+    full, (k, v), by_slot, none, grouped, doubled, zeroed, (k0, v0), recent = run(h, cos, sin, valid)
     assert none is None
     real = np.asarray(valid)  # padded query rows see no key; their outputs are not compared
     np.testing.assert_allclose(np.asarray(by_slot)[real], np.asarray(full)[real], rtol=1e-5, atol=1e-5)
@@ -96,3 +98,7 @@ def test_slot_attention_grouped_axis_and_kv_transform_match_causal_prefill():
     np.testing.assert_array_equal(k0, k)
     assert float(jnp.abs(v0).max()) == 0.0 < float(jnp.abs(v).max())
     assert float(jnp.abs(zeroed - full).max()) > 1e-3  # the attention output changed with v
+    np.testing.assert_allclose(np.asarray(recent[0])[real], np.asarray(full)[real], rtol=1e-5, atol=1e-5)
+    own_exact = np.asarray(recent[1])[real]  # each query reads its own value exactly, older ones zeroed
+    assert np.abs(own_exact - np.asarray(full)[real]).max() > 1e-3
+    assert np.abs(own_exact - np.asarray(zeroed)[real]).max() > 1e-3

@@ -14,6 +14,8 @@ a strategy only adapts them to the layer.
   (ARMT decode step).
 - `PQDecode`: one new token over a PQ-coded cache and its exact window (MILLION decode).
 - `KVTransformed`: another strategy run on transformed K/V (perplexity under K/V quantization).
+- `RecentExactKV`: causal attention reading the recent keys exact and the older ones transformed
+  (perplexity under K/V quantization with an exact recent window).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxlongctx.kvcache.exact_window import recent_exact_attention
 from jaxlongctx.kvcache.pq_cache import write_window
 from jaxlongctx.model.attention import (
     PREFILL_QUERY_BLOCK,
@@ -35,6 +38,7 @@ from jaxlongctx.model.layers import Attend
 from jaxlongctx.sharding import sharded_pq_decode_attention
 
 KVPair = tuple[jnp.ndarray, jnp.ndarray]  # keys and values (or their caches) of one layer
+KVMap = Callable[[jnp.ndarray, jnp.ndarray], KVPair]  # post-RoPE (k, v) -> transformed (k, v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +165,23 @@ class KVTransformed:
     """`attend` run on `transform(k, v)` (post-RoPE k/v `[B, T, K, hd]`), e.g. fake quantization."""
 
     attend: Attend
-    transform: Callable[[jnp.ndarray, jnp.ndarray], tuple[jnp.ndarray, jnp.ndarray]]
+    transform: KVMap
 
     def __call__(self, q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray) -> tuple[jnp.ndarray, Any]:
         k, v = self.transform(k, v)
         return self.attend(q, k, v)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecentExactKV:
+    """Causal attention where query t reads key slots `t - recent < s <= t` exactly and the older ones
+    through `transform(k, v)`: what decoding over a quantized cache with an exact recent window sees
+    (`jaxlongctx.kvcache.exact_window`). key_valid `[B, T]`; aux: None."""
+
+    key_valid: jnp.ndarray
+    transform: KVMap
+    recent: int
+
+    def __call__(self, q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray) -> tuple[jnp.ndarray, None]:
+        k_quant, v_quant = self.transform(k, v)
+        return recent_exact_attention(q, k, v, k_quant, v_quant, self.key_valid, self.recent), None

@@ -21,8 +21,7 @@ from jaxlongctx.armt.segments import grid_starts
 from jaxlongctx.cli_options import add_model_argument
 from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, code_split_by_starts, held_out_batch
 from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
-from jaxlongctx.kvcache.exact_window import recent_exact_attention
-from jaxlongctx.model.attention_strategies import CausalPrefill, KVTransformed
+from jaxlongctx.model.attention_strategies import CausalPrefill, KVTransformed, RecentExactKV
 from jaxlongctx.model.layers import DecoderLayer
 from jaxlongctx.model.llama import Llama, positions_from_mask
 from jaxlongctx.train.data import eval_windows
@@ -46,14 +45,11 @@ def forward_with_kv_transform(
     def body(layer: DecoderLayer, h, index):
         attend = CausalPrefill(mask)
         if kv_transform is not None:
-            quantize = lambda k, v: kv_transform(k, v, index)
-            if exact_recent > 0:  # the last `exact_recent` keys exact, the older ones transformed
-                attend = lambda q, k, v: (
-                    recent_exact_attention(q, k, v, *quantize(k, v), mask, exact_recent),
-                    None,
-                )
+            transform = lambda k, v: kv_transform(k, v, index)
+            if exact_recent > 0:
+                attend = RecentExactKV(mask, transform, exact_recent)
             else:
-                attend = KVTransformed(attend, quantize)
+                attend = KVTransformed(attend, transform)
         return layer(h, cos, sin, attend)
 
     h, _ = model.scan_layers(body, model.embed_ids(ids), jnp.arange(model.config.num_layers))
