@@ -192,10 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxlongctx.cli_options import add_model_argument
     from jaxlongctx.commands.calibrate import add_calibrate_arguments
     from jaxlongctx.commands.chat import add_chat_arguments
+    from jaxlongctx.commands.eval_ppl import add_eval_kv_arguments, add_eval_ppl_arguments
     from jaxlongctx.commands.train_lm import add_train_lm_arguments
-    from jaxlongctx.kv_quality import add_eval_kv_arguments
     from jaxlongctx.train.armt_finetune import add_train_armt_arguments
-    from jaxlongctx.train.evaluate import add_eval_ppl_arguments
 
     p = argparse.ArgumentParser(
         prog="jaxlongctx", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -320,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Perplexity of a model on held-out text; --kv fake-quantizes every token's keys and values "
             "(pq, int4, int2) to measure the cache's quality loss.",
             (add_eval_ppl_arguments, add_eval_kv_arguments),
-            "jaxlongctx.kv_quality:run_eval_kv",
+            "jaxlongctx.commands.eval_ppl:run_eval_kv",
         ),
         (
             "train-lm",

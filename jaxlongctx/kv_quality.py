@@ -6,8 +6,6 @@ Kinds: "dense" (no quantization), "pq" (decode(encode(.)) with calibrated codebo
 
 from __future__ import annotations
 
-import argparse
-import json
 from typing import Any
 
 import numpy as np
@@ -16,7 +14,7 @@ from jaxlongctx.kvcache.codebooks import Codebooks
 from jaxlongctx.kvcache.pq_codec import fake_quantize
 from jaxlongctx.kvcache.uniform_quant import effective_bits, fake_quantize_keys, fake_quantize_values
 from jaxlongctx.model.model import Model
-from jaxlongctx.train.evaluate import KVTransform, perplexity, run_eval_ppl
+from jaxlongctx.train.evaluate import KVTransform, perplexity
 
 KV_KINDS = ("dense", "pq", "int4", "int2")
 DEFAULT_GROUP = 128  # KIVI group: int4 -> 4.25 bits/element, int2 -> 2.25 (PQ ds2/8 bit: 4, ds4: 2)
@@ -85,45 +83,3 @@ def kv_perplexity(
     elif kind != "dense":
         out["group"] = group
     return out
-
-
-# --- CLI: eval-ppl --kv ----------------------------------------------------------------------------
-def add_eval_kv_arguments(parser: argparse.ArgumentParser) -> None:
-    """The K/V options of `jaxlongctx eval-ppl` (added next to train.evaluate.add_eval_ppl_arguments)."""
-    parser.add_argument("--kv", choices=KV_KINDS, default="dense", help="fake-quantize every token's K/V")
-    parser.add_argument("--codebooks", help="codebooks directory for --kv pq (from `jaxlongctx calibrate`)")
-    parser.add_argument(
-        "--kivi-group",
-        type=int,
-        default=DEFAULT_GROUP,
-        help=f"group size of --kv int4/int2 (default {DEFAULT_GROUP})",
-    )
-
-
-def run_eval_kv(args: argparse.Namespace) -> dict[str, Any]:
-    """`jaxlongctx eval-ppl [--kv ...]`: perplexity of `--model` on `--split` with quantized K/V; prints JSON."""
-    from jaxlongctx.data.tokenizer import encode_corpus
-    from jaxlongctx.kvcache.model_codebooks import load_codebooks_for
-    from jaxlongctx.loading import load
-
-    if args.context < 1 or args.batch_size < 1:
-        raise ValueError(f"--context and --batch-size must be >= 1, got {args.context} and {args.batch_size}")
-    if (args.kv == "pq") != (args.codebooks is not None):
-        raise ValueError("--codebooks is needed with --kv pq, and only then")
-    if args.kv == "dense":
-        return run_eval_ppl(args)
-    model = load(args.model, args.dtype)
-    codebooks = load_codebooks_for(model, args.codebooks) if args.kv == "pq" else None
-    tokens = encode_corpus(args.split, model.tokenizer)
-    if args.max_tokens is not None:
-        if args.max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-        tokens = tokens[: args.max_tokens]
-    result = {
-        "ckpt": str(args.model),
-        "split": args.split,
-        "context": args.context,
-        **kv_perplexity(model, tokens, args.context, args.kv, codebooks, args.kivi_group, args.batch_size),
-    }
-    print(json.dumps(result))
-    return result

@@ -13,12 +13,13 @@ import jaxlongctx
 from jaxlongctx.cache_choice import PQKV, DenseKV, add_kv_cache_arguments, kv_cache_from_args
 from jaxlongctx.checkpoint import save_model
 from jaxlongctx.commands.calibrate import add_calibrate_arguments, run_calibrate
+from jaxlongctx.commands.eval_ppl import add_eval_kv_arguments, add_eval_ppl_arguments, run_eval_kv
 from jaxlongctx.config import ModelConfig
-from jaxlongctx.kv_quality import add_eval_kv_arguments, kv_perplexity, kv_transform, run_eval_kv
+from jaxlongctx.kv_quality import kv_perplexity, kv_transform
 from jaxlongctx.kvcache import fake_quantize
 from jaxlongctx.kvcache.model_codebooks import model_fingerprint
 from jaxlongctx.sampling import SamplingParams
-from jaxlongctx.train.evaluate import add_eval_ppl_arguments, perplexity
+from jaxlongctx.train.evaluate import perplexity
 
 # vocab of the default tokenizer, so the built-in corpus splits are valid ids
 CFG = ModelConfig(

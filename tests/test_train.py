@@ -396,7 +396,7 @@ def test_shipped_base_model_exports_to_transformers(tmp_path):
 
 @pytest.mark.skipif(not BASE_MODEL.is_dir(), reason="base model asset not built yet")
 def test_eval_ppl_of_shipped_model_beats_unigram():
-    from jaxlongctx.train.evaluate import add_eval_ppl_arguments, run_eval_ppl
+    from jaxlongctx.commands.eval_ppl import add_eval_ppl_arguments, run_eval_ppl
 
     parser = argparse.ArgumentParser()
     add_eval_ppl_arguments(parser)

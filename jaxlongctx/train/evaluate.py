@@ -1,10 +1,9 @@
 """Evaluation: perplexity on a corpus split (with a pluggable K/V transform) against a unigram
-baseline, and haystack answer accuracy against context length."""
+baseline, and haystack answer accuracy against context length (the `jaxlongctx eval-ppl` command is
+`jaxlongctx.commands.eval_ppl`)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 from collections.abc import Callable
@@ -18,9 +17,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxlongctx.armt.segments import grid_starts
-from jaxlongctx.cli_options import add_model_argument
 from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT, code_split_by_starts, held_out_batch
-from jaxlongctx.data.tokenizer import encode_corpus, load_default_tokenizer
+from jaxlongctx.data.tokenizer import load_default_tokenizer
 from jaxlongctx.model.attention_strategies import CausalPrefill, KVTransformed, RecentExactKV
 from jaxlongctx.model.layers import DecoderLayer
 from jaxlongctx.model.llama import Llama, positions_from_mask
@@ -258,50 +256,3 @@ def _by_depth(hit: np.ndarray, depth: np.ndarray, parts: int = 4) -> list[dict[s
     (hit `[N, CODE_DIGITS]`, depth `[N]`)."""
     bucket = np.minimum((depth * parts).astype(int), parts - 1)
     return [{"depth": [k / parts, (k + 1) / parts], **_scores(hit[bucket == k])} for k in range(parts)]
-
-
-# --- CLI: eval-ppl --------------------------------------------------------------------------------
-def add_eval_ppl_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `jaxlongctx eval-ppl`."""
-    add_model_argument(parser, "jaxlongctx checkpoint or HF model directory", old="--ckpt", required=True)
-    parser.add_argument("--split", choices=["train", "validation", "calibration"], default="validation")
-    parser.add_argument("--context", type=int, default=512, help="window length in tokens (default 512)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument(
-        "--dtype", choices=["bf16", "fp32"], default=None, help="parameter dtype (default: as stored)"
-    )
-    parser.add_argument(
-        "--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the split"
-    )
-    parser.add_argument("--baseline", action="store_true", help="also report the unigram baseline")
-
-
-def run_eval_ppl(args: argparse.Namespace, kv_transform: KVTransform | None = None) -> dict[str, Any]:
-    """`jaxlongctx eval-ppl`: print (as JSON) and return the perplexity of `--model` on `--split`."""
-    from jaxlongctx.loading import load
-
-    if args.context < 1 or args.batch_size < 1:
-        raise ValueError(f"--context and --batch-size must be >= 1, got {args.context} and {args.batch_size}")
-    model = load(args.model, args.dtype)
-    if not hasattr(model, "module"):
-        raise ValueError(
-            f"{args.model} holds a {type(model).__name__}; eval-ppl measures full-attention models "
-            "(give the base model, or measure ARMT with the retrieval bench)"
-        )
-    tokens = encode_corpus(args.split, model.tokenizer)
-    if args.max_tokens is not None:
-        if args.max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-        tokens = tokens[: args.max_tokens]
-    result: dict[str, Any] = {
-        "ckpt": str(args.model),
-        "split": args.split,
-        "context": args.context,
-        **perplexity(model.module, tokens, args.context, args.batch_size, kv_transform),
-    }
-    if args.baseline:
-        result["unigram"] = unigram_baseline(
-            encode_corpus("train", model.tokenizer), tokens, model.config.vocab_size
-        )
-    print(json.dumps(result))
-    return result
