@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     use_quick_results(args.quick)
 
     from jaxlongctx.model.model import Model
+    from pallas_kernels.pq_attention_cpu import native_kernel_error
 
     gpu = jax.default_backend() == "gpu"
     cfg, dtype = (LLAMA2_7B, jnp.bfloat16) if gpu else (_our_config(), jnp.float32)
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
             "ds": list(books),
             "codebooks": "shared, 8-bit, random centroids",
             "quick": args.quick,
-            "pq_backend": "pallas" if gpu else "xla",
+            "pq_backend": "pallas" if gpu else ("native" if native_kernel_error() is None else "xla"),
         },
         "timing": timing,
         "flush": flush,
