@@ -13,6 +13,7 @@ jaxlib version and the CPU, and registered with XLA once per process. Without a 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -29,6 +30,7 @@ import jaxlib
 SOURCE = Path(__file__).with_name("pq_attention_cpu.cc")
 TARGET = "jaxlongctx_pq_coded_partials"
 LANES = 4  # query heads per lookup-table entry (one 16-byte load)
+_LOADED: list[ctypes.CDLL] = []  # built libraries, kept mapped for the life of the process
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -91,17 +93,12 @@ def native_kernel_error() -> str | None:
         return f"no C++ compiler {compiler!r} on PATH (set CXX)"
     try:
         lib = _build(compiler)
-        import ctypes
-
         handle = ctypes.CDLL(str(lib))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.PqCodedPartials), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as err:
         return f"building {SOURCE.name} failed: {err}"
-    _LOADED.append(handle)  # keep the library mapped for the life of the process
+    _LOADED.append(handle)
     return None
-
-
-_LOADED: list = []
 
 
 def native_splits(batch: int, kv_heads: int, blocks: int, length_hint: int) -> int:
