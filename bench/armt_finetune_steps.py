@@ -66,7 +66,7 @@ QUICK = [config(64, 16, 2), config(64, 16, 2, remat=False)]
 
 def time_one(cfg: dict[str, Any], timed_steps: int) -> dict[str, Any]:
     """Build the trainer of `cfg`, run one warm-up and `timed_steps` timed steps (in this process)."""
-    from jaxlongctx.train.armt_finetune import add_train_armt_arguments, prepare_train_armt
+    from jaxlongctx.commands.train_armt import add_train_armt_arguments, prepare_train_armt
 
     tokens = cfg["segment_size"] * cfg["segments"]
     load_before = os.getloadavg()

@@ -193,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxlongctx.commands.calibrate import add_calibrate_arguments
     from jaxlongctx.commands.chat import add_chat_arguments
     from jaxlongctx.commands.eval_ppl import add_eval_kv_arguments, add_eval_ppl_arguments
+    from jaxlongctx.commands.train_armt import add_train_armt_arguments
     from jaxlongctx.commands.train_lm import add_train_lm_arguments
-    from jaxlongctx.train.armt_finetune import add_train_armt_arguments
 
     p = argparse.ArgumentParser(
         prog="jaxlongctx", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
             "with a curriculum of stages (sample tokens, steps, batch size) from one segment to many; --init "
             "continues from a saved ARMT model.",
             (add_train_armt_arguments,),
-            "jaxlongctx.train.armt_finetune:run_train_armt",
+            "jaxlongctx.commands.train_armt:run_train_armt",
         ),
     ):
         cmd = sub.add_parser(name, help=help_text, description=description)

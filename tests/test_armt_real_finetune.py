@@ -15,9 +15,9 @@ import pytest
 
 import jaxlongctx
 from jaxlongctx.armt import ARMTModel
+from jaxlongctx.commands.train_armt import add_train_armt_arguments, prepare_train_armt, run_train_armt
 from jaxlongctx.data.haystack import CODE_DIGITS, chat_frame
 from jaxlongctx.pretrained import smollm2_gguf
-from jaxlongctx.train.armt_finetune import add_train_armt_arguments, prepare_train_armt, run_train_armt
 from jaxlongctx.train.trainer import latest_checkpoint
 
 QUICK = ["--base", "smollm2", "--quick", "--freeze-base", "--chat", "--remat", "--base-dtype", "bf16"]

@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from jaxlongctx.armt.sentences import SentenceSegmenter
+from jaxlongctx.commands.train_armt import add_train_armt_arguments, parse_fact_range, run_train_armt
 from jaxlongctx.commands.train_lm import add_train_lm_arguments, run_train_lm
 from jaxlongctx.data.haystack import CODE_DIGITS, code_split_by_boundary, held_out_batch
 from jaxlongctx.data.tokenizer import BOS_ID, encode_corpus, load_default_tokenizer
@@ -25,13 +26,10 @@ from jaxlongctx.model.llama import forward
 from jaxlongctx.model.model import Model
 from jaxlongctx.train.armt_finetune import (
     Stage,
-    add_train_armt_arguments,
     answer_logits,
     haystack_batch,
     parse_curriculum,
-    parse_fact_range,
     retrieval_loss,
-    run_train_armt,
     stage_per_step,
 )
 from jaxlongctx.train.data import TokenWindows, eval_windows
