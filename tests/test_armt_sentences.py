@@ -239,3 +239,14 @@ def test_checkpoint_keeps_its_segmentation(tmp_path):
     assert config.pop("segmentation") == "sentences"
     (older / "config.json").write_text(json.dumps(config))
     assert load(older).segmentation == "fixed"
+
+
+def test_shipped_armt_decodes_a_bf16_batch_as_single_rows():
+    """bf16 weights with two rows: once failed on CPU with an unsupported bf16 x bf16 = f32 dot."""
+    armt = load(ARMT_MODEL, "bf16")
+    ids = np.random.default_rng(0).integers(5, 4000, size=(2, 300))
+    params = SamplingParams(3, stop_ids=())
+    batch = jaxlongctx.generate(armt, ids, params)
+    for row in range(2):
+        alone = jaxlongctx.generate(armt, ids[row : row + 1], params)
+        np.testing.assert_array_equal(batch[row], alone[0])

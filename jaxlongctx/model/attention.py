@@ -41,9 +41,13 @@ def attention(
     # softmax with the normalisation applied to the [.., hd] output instead of every score: one pass
     # over the scores fewer
     weights = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
-    total = jnp.sum(weights, axis=-1).transpose(0, 2, 1, 3)  # B T K G
-    out = jnp.einsum(f"bktgs,{keys}->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return (out / total[..., None]).reshape(b, t, h, hd).astype(q.dtype)
+    total = jnp.sum(weights, axis=-1)  # B K T G
+    # the weighted sum also in the dot's natural order [B, K, T, G, hd], transposed once normalised: asked
+    # for [B, T, K, G, hd] directly, XLA CPU may swap the operands of a bf16 dot into a form its runtime
+    # cannot run (bf16 x bf16 = f32 with batch dims, seen in batched ARMT decoding)
+    out = jnp.einsum(f"bktgs,{keys}->bktgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = (out / total[..., None]).transpose(0, 2, 1, 3, 4)  # B T K G hd
+    return out.reshape(b, t, h, hd).astype(q.dtype)
 
 
 def decode_attention(
