@@ -214,7 +214,8 @@ def run_ppl(model: Any, store: CodebookStore, args: argparse.Namespace, config: 
         "rows": rows,
     }
     for context, n_tokens in zip(args.contexts, args.eval_tokens):
-        for setting in ppl_settings(context)[index::count]:
+        chosen = [s for s in ppl_settings(context) if s.name in args.only] if args.only else None
+        for setting in chosen or ppl_settings(context)[index::count]:
             cb = store.get(setting) if setting.kind == "pq" else None
             t0 = time.perf_counter()
             result = perplexity(
@@ -306,7 +307,7 @@ def merge(name: str) -> dict:
         ppl_parts.append(json.loads(extra.read_text()))
     out: dict[str, Any] = {}
     if ppl_parts:
-        rows = [r for part in ppl_parts for r in part["rows"]]
+        rows = list({(r["context"], r["name"]): r for part in ppl_parts[::-1] for r in part["rows"]}.values())
         order = {(c, s.name): i for c in (2048, 8192) for i, s in enumerate(ppl_settings(c))}
         rows.sort(key=lambda r: (r["context"], order.get((r["context"], r["name"]), 99)))
         for row in rows:
@@ -419,6 +420,9 @@ def main(argv: list[str] | None = None) -> dict:
         default="all",
         help="calibrate: only make the codebooks (of --ds, --weightings) the other parts use; "
         "merge: combine the results of runs split by --shard",
+    )
+    p.add_argument(
+        "--only", nargs="+", default=[], help="ppl rows to run, by name (default: this shard's rows)"
     )
     p.add_argument(
         "--shard",

@@ -10,7 +10,7 @@ kernel computes. One prefill per item serves every cache.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,12 @@ def _compiled(model: Model) -> tuple[Callable, Callable]:
     return fns
 
 
+@lru_cache(maxsize=32)
+def _quantizer(transform: KVTransform) -> Callable:
+    """`quantize_layers` of one transform, jitted once (every item of a retrieval set reuses it)."""
+    return jax.jit(partial(quantize_layers, transform))
+
+
 def quantize_layers(
     transform: KVTransform, k: jnp.ndarray, v: jnp.ndarray
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -68,7 +74,10 @@ def answer(
     """Greedy code digits `[CODE_DIGITS]` after the forced answer prefix, the prompt's K/V through `transform`."""
     k, v = prompt_cache.k, prompt_cache.v
     if transform is not None:
-        k, v = jax.jit(partial(quantize_layers, transform))(k, v)
+        # pad slots repeat the last prompt token, so a quantizer with statistics over groups of tokens
+        # (the uniform baseline) sees only the prompt's own values
+        last = jnp.minimum(jnp.arange(k.shape[2]), prompt_cache.length - 1)
+        k, v = _quantizer(transform)(k[:, :, last], v[:, :, last])
     cache_k, cache_v = (x.transpose(0, 1, 3, 2, 4) for x in (k, v))  # [L, B, K, S, hd]
     state = {"k": cache_k, "v": cache_v, "valid": prompt_cache.mask, "position": prompt_cache.length}
     step = _compiled(model)[1]
