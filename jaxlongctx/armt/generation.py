@@ -165,6 +165,21 @@ def _window_rows(ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, width: 
     return out
 
 
+def window_logits(model: Any, state: MemoryState, ids: np.ndarray, n: np.ndarray) -> jnp.ndarray:
+    """Logits `[B, W, V]` of decoding-window rows `ids [B, W]` (`n [B]` real tokens each) that read the
+    memory `state` without writing it, as decoding computes them (compiled once per model and width)."""
+    fns = model.__dict__.setdefault("_generate_fns", {})
+    if "window" not in fns:
+        fns["window"] = jax.jit(partial(_window_logits, model))
+    mesh = model.base.mesh
+    return fns["window"](
+        model.params,
+        state,
+        put_batch(np.asarray(ids, np.int32), mesh),
+        put_batch(np.asarray(n, np.int32), mesh),
+    )
+
+
 def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = "diagonal") -> jnp.ndarray:
     """The logits `[B, T, V]` that decoding after the first `prompt_length` tokens of `ids [B, T]`
     (no padding) computes at every position: those of the plain forward, except in the decoding window
@@ -189,16 +204,7 @@ def generation_logits(model: Any, ids: Any, prompt_length: int, schedule: str = 
         prefix = token_rows(prefix, slots, int(start.max()))  # B max(start) V
     else:
         state, prefix = zero_state(model, b), jnp.zeros((b, 0, V), jnp.float32)
-    fns = model.__dict__.setdefault("_generate_fns", {})
-    if "window" not in fns:
-        fns["window"] = jax.jit(partial(_window_logits, model))
-    mesh = model.base.mesh
-    window = fns["window"](
-        model.params,
-        state,
-        put_batch(_window_rows(ids, start, stop, 2 * S), mesh),
-        put_batch((stop - start).astype(np.int32), mesh),
-    )
+    window = window_logits(model, state, _window_rows(ids, start, stop, 2 * S), stop - start)
     rest = None
     if t > stop.min():  # a window was committed as two segments: plain segments from there on
         segs = segment(_window_rows(ids, start, np.full(b, t), t - int(start.min())), t - start, S)
