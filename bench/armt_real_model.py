@@ -303,6 +303,15 @@ def write_results(result: dict[str, Any]) -> None:
         )
     for ax, metric in zip(axes, ("exact_match", "digit_accuracy")):
         ax.axhline(chance[metric], color="gray", ls="--", lw=1, label=f"chance ({chance[metric]:g})")
+        ax.annotate(
+            f"chance {chance[metric]:g}",
+            (0.01, chance[metric]),
+            xycoords=("axes fraction", "data"),
+            xytext=(0, 3),
+            textcoords="offset points",
+            fontsize=8,
+            color="gray",
+        )
         ax.axvline(native, color="black", ls=":", lw=1, label=f"native context ({native:,})")
         _length_axis(ax, metric + (" (bars: 95% Wilson interval)" if metric == "exact_match" else ""))
         ax.legend(fontsize=8)

@@ -22,7 +22,7 @@ from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.cpu_execution import CPUExecution
 from jaxlongctx.cache_choice import ARMTMemory
 from jaxlongctx.checkpoint import save_model
-from jaxlongctx.commands.train_armt import add_train_armt_arguments, prepare_train_armt
+from jaxlongctx.commands.train_armt import add_train_armt_arguments, prepare_train_armt, run_train_armt
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.data.chat_retrieval import retrieval_set
 from jaxlongctx.data.haystack import CODE_DIGITS, chat_frame
@@ -33,6 +33,7 @@ from jaxlongctx.train.armt_training_checkpoint import load_training_checkpoint
 from jaxlongctx.train.chat_accuracy import (
     answer_logits,
     argmax_digits,
+    armt_chat_accuracy,
     armt_digit_logits,
     chat_cut,
     exact_match,
@@ -102,15 +103,12 @@ def test_fit_context_keeps_the_head_and_the_question_and_fits_the_native_context
 
 
 def test_teacher_forced_exact_match_is_greedy_decodings(armt):
-    """For full attention (cut items) and ARMT (both schedules): scored against greedy's own digits every
+    """For full attention (cut items) and ARMT: scored against greedy's own digits every
     item is an exact match, and against the codes the score is greedy's."""
     items = retrieval_set(armt.tokenizer, 2, 2 * NATIVE, num_facts=1)
     fitted = [fit_context(item, chat_cut(armt.tokenizer), NATIVE) for item in items]
     runs = [(full_attention_digit_logits(armt.base), armt.base, fitted, {})]
-    runs += [
-        (armt_digit_logits(armt, s, 2), armt, items, {"cache": ARMTMemory(s)})
-        for s in ("diagonal", "sequential")
-    ]
+    runs.append((armt_digit_logits(armt, "diagonal", 2), armt, items, {"cache": ARMTMemory("diagonal")}))
     for digit_logits, model, scored, options in runs:
         greedy = np.stack([_greedy(model, item, **options) for item in scored])
         own = [dataclasses.replace(item, answer_ids=g) for item, g in zip(scored, greedy)]
@@ -150,11 +148,31 @@ def test_training_checkpoint_loads_the_trained_memory(base_dir, tmp_path):
     assert armt.dtype == np.dtype("bfloat16") and armt.armt.segment_size == SEGMENT
     for name, value in trainer.params.items():  # float32, as trained
         np.testing.assert_array_equal(np.asarray(getattr(armt.memory, name)[...]), np.asarray(value))
-    (step_dir / "trainer.json").write_text(
-        json.dumps({**json.loads((step_dir / "trainer.json").read_text()), "hyperparams": {}})
-    )
+    record = json.loads((step_dir / "trainer.json").read_text())
+    (step_dir / "trainer.json").write_text(json.dumps({**record, "hyperparams": {}}))
     with pytest.raises(ValueError, match="also trained the base"):
         load_training_checkpoint(step_dir)
+
+
+@pytest.mark.slow
+def test_chat_train_run_scores_chat_items_and_its_last_checkpoint_holds_the_saved_memory(base_dir, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_train_armt_arguments(parser)
+    words = ["--base", str(base_dir), "--out", str(tmp_path / "run"), "--save", str(tmp_path / "model")]
+    words += ["--quick", "--freeze-base", "--chat", "--mem-tokens", "4", "--d-mem", "8", "--lr", "1e-2"]
+    words += ["--base-dtype", "fp32", "--eval-lengths", "256", "--eval-samples", "2", "--no-progress"]
+    summary = run_train_armt(parser.parse_args(words))
+    (row,) = summary["accuracy"]  # held-out chat items, scored as the bench scores them
+    assert row["length"] == 256 and row["n"] == 2 and row["accuracy"] == row["correct"] / 2
+    saved = jaxlongctx.load(tmp_path / "model")
+    step_dir = tmp_path / "run/checkpoints/step_00000002"
+    armt, info = armt_real_model.load_armt(step_dir, "bf16")
+    assert info["kind"] == "training checkpoint" and info["step"] == info["total_steps"] == 2
+    assert armt.dtype == np.dtype("bfloat16") and armt.armt.segment_size == saved.armt.segment_size
+    for name in ("memory", "wq", "wk", "wv", "wb", "bb"):  # float32, as trained and saved
+        trained = np.asarray(getattr(armt.memory, name)[...])
+        assert trained.dtype == np.float32 and np.abs(trained).max() > 0
+        np.testing.assert_array_equal(trained, np.asarray(getattr(saved.memory, name)[...]))
 
 
 def test_bench_writes_json_and_plot_and_quick_writes_only_quick_files(armt, tmp_path, monkeypatch):
@@ -175,6 +193,10 @@ def test_bench_writes_json_and_plot_and_quick_writes_only_quick_files(armt, tmp_
     assert check["length"] == 256 and check["answers_equal"] and check["pipeline_answers_equal"]
     assert written["model"] == info and written["chance"]["exact_match"] == pytest.approx(1e-4)
     assert (tmp_path / "armt_real_model.png").stat().st_size > 0
+    chat = armt_chat_accuracy(armt, 256, 2)  # train-armt --chat --eval-lengths: the same items and score
+    assert {k: chat[k] for k in ("correct", "n", "digit_accuracy")} == {
+        k: written["results"]["armt_diagonal"][0][k] for k in ("correct", "n", "digit_accuracy")
+    }
 
     for f in tmp_path.iterdir():
         f.unlink()

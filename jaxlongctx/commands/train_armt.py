@@ -35,6 +35,7 @@ from jaxlongctx.train.armt_finetune import (
     armt_trainer,
     parse_curriculum,
 )
+from jaxlongctx.train.chat_accuracy import armt_chat_accuracy
 from jaxlongctx.train.evaluate import retrieval_accuracy
 from jaxlongctx.train.optim import OptimConfig
 from jaxlongctx.train.trainer import Trainer, TrainerConfig, load_into
@@ -172,7 +173,10 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ckpt-every", type=int, default=25)
     parser.add_argument(
-        "--eval-lengths", default="", help="context lengths for a final accuracy check, e.g. 512,2048"
+        "--eval-lengths",
+        default="",
+        help="context lengths for a final accuracy check, e.g. 512,2048 (with --chat: held-out chat "
+        "items, jaxlongctx.train.chat_accuracy)",
     )
     parser.add_argument("--eval-samples", type=int, default=8)
     parser.add_argument("--no-progress", action="store_true")
@@ -281,10 +285,6 @@ class PreparedRun(NamedTuple):
 
 def prepare_train_armt(args: argparse.Namespace) -> PreparedRun:
     """The model and the `Trainer` of a `train-armt` run (arguments checked; nothing trained yet)."""
-    if args.chat and args.eval_lengths:
-        raise ValueError(
-            "--eval-lengths scores plain haystacks in the built-in tokenizer; it does not apply with --chat"
-        )
     curriculum = None if args.quick else parse_curriculum(args.curriculum)
     facts = parse_fact_range(str(args.num_facts))
     base_path = resolve_base_argument(args.base) if args.base else None
@@ -374,7 +374,9 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "seconds_per_step": trainer.history["wall_s"][-1] / steps,
         "final_loss": trainer.history["loss"][-1],
         "accuracy": [
-            retrieval_accuracy(
+            armt_chat_accuracy(armt, n, args.eval_samples, num_facts=facts[1])
+            if args.chat
+            else retrieval_accuracy(
                 armt.generation_logits,
                 n,
                 args.eval_samples,

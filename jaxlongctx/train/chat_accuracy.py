@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from jaxlongctx.armt.generation import window_logits, window_starts
 from jaxlongctx.armt.memory import zero_state
-from jaxlongctx.data.chat_retrieval import RetrievalItem
+from jaxlongctx.data.chat_retrieval import RetrievalItem, retrieval_set
 from jaxlongctx.data.haystack import CODE_DIGITS, COLOURS, OBJECTS, chat_frame, chat_question_text
 from jaxlongctx.model.llama import forward_hidden
 from jaxlongctx.train.evaluate import exact_match_interval
@@ -156,3 +156,21 @@ def exact_match(predicted: np.ndarray, items: list[RetrievalItem]) -> dict[str, 
 def argmax_digits(logits: np.ndarray) -> np.ndarray:
     """Predicted digit tokens `[N, CODE_DIGITS]` of logits `[N, CODE_DIGITS, V]`."""
     return np.argmax(logits, axis=-1).astype(np.int32)
+
+
+def armt_chat_accuracy(
+    armt: Any,
+    length: int,
+    samples: int,
+    num_facts: int = 1,
+    schedule: str = "diagonal",
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Exact match of an `ARMTModel` on `samples` held-out chat items of `length` tokens with `num_facts`
+    facts (`retrieval_set`: validation-split filler, depths cycling through DEFAULT_DEPTHS), read as its
+    decoding reads them through `schedule`."""
+    items = retrieval_set(armt.tokenizer, samples, length, num_facts=num_facts)
+    logits = answer_logits(
+        armt_digit_logits(armt, schedule), items, f"chat retrieval at {length:,}", progress
+    )
+    return {"length": length, "num_facts": num_facts, **exact_match(argmax_digits(logits), items)}
