@@ -14,6 +14,7 @@ import numpy as np
 from jaxlongctx.cache_choice import PQKV, ARMTMemory, CacheChoice, DenseKV, OwnMemoryModel
 from jaxlongctx.decode_loop import Request, bucket_length, choose_next, last_real_index
 from jaxlongctx.kvcache.dense import DenseCache
+from jaxlongctx.model import llama
 from jaxlongctx.model.llama import decode_hidden, forward_hidden
 from jaxlongctx.model.model import Model
 from jaxlongctx.pq_generate import generate_pq
@@ -139,7 +140,7 @@ def _generate_dense(
 def _compiled(model: Model, capacity: int, sampler: tuple, stop: tuple, pad_id: int):
     """Jitted prefill and decode step for these static settings (cached on the model)."""
     cache = model.__dict__.setdefault("_generate_fns", {})
-    key = (capacity, sampler, stop, pad_id)
+    key = (capacity, sampler, stop, pad_id, llama.IN_PLACE_DECODE)
     if key not in cache:
         cache[key] = (
             jax.jit(partial(_prefill, model, capacity)),

@@ -22,8 +22,9 @@ from jaxlongctx.cache_choice import PQKV
 from jaxlongctx.decode_loop import Request, bucket_length, choose_next, last_real_index
 from jaxlongctx.kvcache.model_codebooks import check_codebooks
 from jaxlongctx.kvcache.pq_cache import PQCache, flush_full_rows
+from jaxlongctx.model import llama
 from jaxlongctx.model.attention_strategies import PQDecode
-from jaxlongctx.model.layers import DecoderLayer
+from jaxlongctx.model.layers import DecoderLayer, Dense
 from jaxlongctx.model.llama import Llama, forward_hidden
 from jaxlongctx.model.model import Model
 from jaxlongctx.sampling import SamplingParams
@@ -78,14 +79,13 @@ def pq_decode_hidden(
     cos, sin = module.rope(positions)
     at = cache.window_lengths  # window slot of the new token, per row
 
-    def body(layer: DecoderLayer, h, xs):
+    def body(layer: DecoderLayer, dense: Dense, h, xs):
         k_codes, v_codes, k_win, v_win, kc, vc = xs  # one layer: [B K T M], [B K R D], [(K,) M C ds]
-        return layer(
-            h, cos, sin, PQDecode(k_codes, v_codes, kc, vc, cache.lengths, k_win, v_win, at, backend)
-        )
+        attend = PQDecode(k_codes, v_codes, kc, vc, cache.lengths, k_win, v_win, at, backend)
+        return layer(h, cos, sin, attend, dense)
 
     xs = (cache.k_codes, cache.v_codes, cache.k_window, cache.v_window, k_cent, v_cent)
-    h, (k_win, v_win) = module.scan_layers(body, module.embed_ids(ids), xs)
+    h, (k_win, v_win) = module.scan_decode_layers(body, module.embed_ids(ids), xs)
     return h, cache._replace(k_window=k_win, v_window=v_win, window_lengths=at + 1)
 
 
@@ -166,7 +166,7 @@ def _compiled(
 ):
     """Jitted PQ prefill and decode step for these static settings (cached on the model)."""
     fns = model.__dict__.setdefault("_pq_generate_fns", {})
-    key = (capacity, window, keep_tail, sampler, stop, pad_id, backend)
+    key = (capacity, window, keep_tail, sampler, stop, pad_id, backend, llama.IN_PLACE_DECODE)
     if key not in fns:
 
         def prefill(params, k_cent, v_cent, ids, mask):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import pq_attention, pq_attention_cpu, pq_decode_attention
+from pallas_kernels import native_build, pq_attention, pq_attention_cpu, pq_decode_attention
 from pallas_kernels.pq_attention import lookup_tables, merge_partials
 from pallas_kernels.pq_attention_kernel import PQBlocks, pq_coded_partials_pallas
 from pallas_kernels.pq_attention_reference import pq_decode_attention_reference
@@ -197,9 +197,10 @@ def test_native_build_is_cached(tmp_path, monkeypatch):
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("no C++ compiler")
     monkeypatch.setenv("JAXLONGCTX_KERNEL_CACHE", str(tmp_path))
-    lib = pq_attention_cpu._build(os.environ.get("CXX", "g++"))
+    compiler = os.environ.get("CXX", "g++")
+    lib = native_build.build(pq_attention_cpu.SOURCE, compiler)
     stamp = lib.stat().st_mtime_ns
-    assert pq_attention_cpu._build(os.environ.get("CXX", "g++")) == lib and lib.stat().st_mtime_ns == stamp
+    assert native_build.build(pq_attention_cpu.SOURCE, compiler) == lib and lib.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [lib.name]  # no temporary file left behind
 
 

@@ -8,9 +8,28 @@ from flax import nnx
 
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.attention_strategies import CachedDecode, CausalPrefill
-from jaxlongctx.model.layers import DecoderLayer, rms_norm, stacked_layers
+from jaxlongctx.model.layers import DecoderLayer, Dense, rms_norm, stacked_layers
 from jaxlongctx.model.rope import inverse_frequencies, rope_tables
-from jaxlongctx.sharding import embed_lookup, reshard_like
+from jaxlongctx.sharding import embed_lookup, matmul, reshard_like
+from pallas_kernels.layer_matvec_cpu import MAX_ROWS, layer_matvec, native_kernel_error
+
+# Decode steps on CPU multiply by the weight matrices where they lie in the stacked arrays
+# (`pallas_kernels.layer_matvec_cpu`) instead of XLA's dot on per-layer copies. Read when a step is
+# traced; the decode bench and the tests turn it off to run XLA's path side by side.
+IN_PLACE_DECODE = True
+
+
+def reads_weights_in_place(weights: jax.Array, rows: int) -> bool:
+    """Whether a product of `rows` token rows by `weights` (a float32/bf16 array on one CPU device) goes
+    through the in-place native kernel: few rows, and the kernel built on this machine."""
+    return (
+        IN_PLACE_DECODE
+        and rows <= MAX_ROWS
+        and jax.default_backend() == "cpu"
+        and weights.dtype in (jnp.float32, jnp.bfloat16)
+        and jax.typeof(weights).sharding.mesh.empty
+        and native_kernel_error() is None
+    )
 
 
 class Llama(nnx.Module):
@@ -61,6 +80,26 @@ class Llama(nnx.Module):
 
         return jax.lax.scan(step, carry, (state, xs))
 
+    def scan_decode_layers(self, body, h: jnp.ndarray, xs=None):
+        """`scan_layers` for a step of few token rows `h [B, T, D]`: `body(layer, dense, h, x) -> (h, y)`,
+        where the layer is called with `dense` as its product.
+
+        Where `reads_weights_in_place`, the layer's weight matrices are the whole stacked `[L, in, out]`
+        arrays and `dense` multiplies by this layer's slice of them in place (only the per-layer vectors
+        are sliced); elsewhere the layer is sliced as in `scan_layers` and `dense` is the plain product.
+        """
+        graphdef, state = nnx.split(self.layers)
+        if not reads_weights_in_place(self.embed[...], h.shape[0] * h.shape[1]):
+            return self.scan_layers(lambda layer, c, x: body(layer, matmul, c, x), h, xs)
+
+        def step(c, per_layer):
+            i, x = per_layer
+            layer = nnx.merge(graphdef, jax.tree.map(lambda w: w if w.ndim == 3 else w[i], state))
+            dense: Dense = lambda v, w: layer_matvec(v, w, i)
+            return body(layer, dense, c, x)
+
+        return jax.lax.scan(step, h, (jnp.arange(self.config.num_layers), xs))
+
 
 HEAD_TILE_MAX_TOKENS = 64  # inputs of at most this many tokens (decode steps, a prompt's last token) ...
 HEAD_VOCAB_TILE = 1024  # ... walk a low-precision head in vocabulary tiles of this many rows on CPU
@@ -75,6 +114,8 @@ def vocab_logits(x: jnp.ndarray, w: jnp.ndarray, vocab_axis: int) -> jnp.ndarray
     weights below float32 and few tokens, the vocabulary is walked in tiles of `HEAD_VOCAB_TILE` rows
     whose upcast copies stay in cache. Every logit is the same length-D dot product either way.
     """
+    if reads_weights_in_place(w, x.shape[0] * x.shape[1]):  # read in place, bf16 widened in registers
+        return layer_matvec(x.astype(jnp.float32), w[None], 0, transposed=vocab_axis == 0)
     spec = "btd,vd->btv" if vocab_axis == 0 else "btd,dv->btv"
     vocab = w.shape[vocab_axis]
     tiles = vocab // HEAD_VOCAB_TILE
@@ -142,11 +183,12 @@ def decode_hidden(
     cos, sin = model.rope(positions)
     visible = key_valid & (jnp.arange(cache_k.shape[3]) < slot)[None]  # cached tokens before `slot`
 
-    def body(layer: DecoderLayer, h, layer_cache):
+    def body(layer: DecoderLayer, dense: Dense, h, layer_cache):
         ck, cv = layer_cache  # [B, K, S, hd]
-        return layer(h, cos, sin, CachedDecode(ck, cv, visible))
+        return layer(h, cos, sin, CachedDecode(ck, cv, visible), dense)
 
-    h, (k_new, v_new) = model.scan_layers(body, model.embed_ids(ids), (cache_k, cache_v))  # k_new: L B K 1 hd
+    # k_new: L B K 1 hd
+    h, (k_new, v_new) = model.scan_decode_layers(body, model.embed_ids(ids), (cache_k, cache_v))
     cache_k = jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, slot, 0))
     cache_v = jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, 0, slot, 0))
     return h, cache_k, cache_v

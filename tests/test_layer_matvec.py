@@ -1,0 +1,134 @@
+"""The in-place CPU product for decode steps: kernel numerics, errors, and the decode paths that use it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlongctx
+from jaxlongctx import PQKV, SamplingParams
+from jaxlongctx.config import ModelConfig
+from jaxlongctx.decode_loop import Request
+from jaxlongctx.generate import _compiled
+from jaxlongctx.kvcache.dense import DenseCache
+from jaxlongctx.model import llama
+from pallas_kernels import layer_matvec_cpu
+from pallas_kernels.layer_matvec_cpu import layer_matvec
+
+pytestmark = pytest.mark.jaxmin
+
+
+@pytest.fixture(autouse=True)
+def _require_native():
+    """Skip only where no C++ compiler exists; a compiler whose build fails is a test failure."""
+    error = layer_matvec_cpu.native_kernel_error()
+    if error is not None and error.startswith("no C++ compiler"):
+        pytest.skip(error)
+    assert error is None, error
+
+
+def _reference(x: np.ndarray, w: np.ndarray, layer: int, transposed: bool) -> np.ndarray:
+    wl = w[layer].astype(np.float64)
+    return x.astype(np.float64) @ (wl.T if transposed else wl)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "rows, k, n, transposed",
+    [
+        (1, 576, 192, False),
+        (3, 37, 70, False),  # no full 32-column step in a tail, odd K (rows beyond the unroll of 4)
+        (5, 64, 2100, False),  # two column blocks, the second with a scalar tail
+        (16, 130, 96, False),
+        (1, 70, 300, True),  # transposed: K not a multiple of 16, a partial last tile of rows
+        (4, 576, 1000, True),
+    ],
+)
+def test_matches_a_float64_reference(dtype, rows, k, n, transposed):
+    rng = np.random.default_rng(rows * 1000 + k)
+    layers = 3
+    w = jnp.asarray(rng.standard_normal((layers, n, k) if transposed else (layers, k, n)), dtype)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    # every layer through a scan with a traced index: the kernel offsets into the stack itself
+    run = jax.jit(lambda x, w: jax.lax.map(lambda i: layer_matvec(x, w, i, transposed), jnp.arange(layers)))
+    got = np.asarray(run(jnp.asarray(x), w))
+    w64 = np.asarray(w.astype(jnp.float32))
+    for layer in range(layers):
+        want = _reference(x, w64, layer, transposed)
+        np.testing.assert_allclose(got[layer], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_keeps_leading_axes_and_the_input_dtype():
+    x = jnp.ones((2, 1, 8), jnp.bfloat16)
+    w = jnp.full((1, 8, 5), 0.5, jnp.bfloat16)
+    y = layer_matvec(x, w, 0)
+    assert y.shape == (2, 1, 5) and y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), 4.0)
+
+
+def test_bad_operands_are_refused():
+    x = jnp.ones((1, 8), jnp.float32)
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        layer_matvec(x, jnp.ones((1, 8, 4), jnp.float16), 0)
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        layer_matvec(x, jnp.ones((8, 4), jnp.float32), 0)
+    with pytest.raises(ValueError, match="x has 8 features, the weights 6"):
+        layer_matvec(x, jnp.ones((1, 6, 4), jnp.float32), 0)
+
+
+CFG = ModelConfig(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    eos_token_id=2,
+)
+
+
+def _generate_both_ways(model, ids, **kwargs):
+    """Tokens and decode-step logits with weights read in place and with XLA's dot."""
+    outs = {}
+    for in_place in (False, True):
+        llama.IN_PLACE_DECODE = in_place
+        try:
+            outs[in_place] = np.asarray(
+                jaxlongctx.generate(model, ids, SamplingParams(8, stop_ids=()), **kwargs)
+            )
+        finally:
+            llama.IN_PLACE_DECODE = True
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_decode_reads_weights_in_place_with_the_same_tokens(dtype):
+    model = jaxlongctx.Model.init(CFG, seed=3, dtype=dtype)
+    ids = np.random.default_rng(0).integers(3, 97, (2, 9)).astype(np.int32)
+    outs = _generate_both_ways(model, ids)
+    np.testing.assert_array_equal(outs[True], outs[False])
+    # the step really calls the kernel (and XLA's path does not)
+    static = Request.parse(model, ids, SamplingParams(8, stop_ids=()), None).static_key
+    cache = DenseCache.allocate(CFG, 2, 32, dtype)
+    args = (model.params, cache, jnp.zeros((2, CFG.vocab_size)), jax.random.key(0), jnp.zeros((2,), bool))
+    texts = {}
+    for in_place in (False, True):
+        llama.IN_PLACE_DECODE = in_place
+        try:
+            _, step = _compiled(model, 32, *static)
+            texts[in_place] = step.lower(*args, jnp.full((2,), 9, jnp.int32), jnp.int32(9)).as_text()
+        finally:
+            llama.IN_PLACE_DECODE = True
+    assert layer_matvec_cpu.TARGET in texts[True] and layer_matvec_cpu.TARGET not in texts[False]
+
+
+def test_pq_decode_reads_weights_in_place_with_the_same_tokens():
+    model = jaxlongctx.Model.init(CFG, seed=4)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, 97, (1, 40)).astype(np.int32)
+    codebooks = jaxlongctx.calibrate(model, rng.integers(3, 97, 512), iters=2, seq_len=128, max_tokens=256)
+    outs = _generate_both_ways(model, ids, cache=PQKV(codebooks, window=8))
+    np.testing.assert_array_equal(outs[True], outs[False])
