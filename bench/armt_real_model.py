@@ -50,10 +50,10 @@ from bench.armt_retrieval import _exact_match_errorbar, _length_axis
 from bench.common import plot_path, save_plot, subplots, use_quick_results, write_result
 from jaxlongctx.armt.cpu_execution import CPUExecution, diagonal_pays_off
 from jaxlongctx.armt.model import ARMTModel
-from jaxlongctx.commands.train_armt import memory_in_float32
 from jaxlongctx.data.chat_retrieval import DEFAULT_DEPTHS, RetrievalItem, retrieval_set
 from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT
 from jaxlongctx.loading import load
+from jaxlongctx.train.armt_finetune import memory_in_float32
 from jaxlongctx.train.armt_training_checkpoint import (
     is_training_checkpoint,
     load_training_checkpoint,

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxlongctx.armt.base_reference import SMOLLM2_NAME, BaseReference, describe_base, resolve_base_argument
 from jaxlongctx.armt.config import ARMTConfig
@@ -33,6 +32,7 @@ from jaxlongctx.train.armt_finetune import (
     TRAIN_FILLER_SPLIT,
     Stage,
     armt_trainer,
+    memory_in_float32,
     parse_curriculum,
 )
 from jaxlongctx.train.chat_accuracy import armt_chat_accuracy
@@ -224,14 +224,6 @@ _RUN_SETTINGS = (
     "chat",
     "quick",
 )
-
-
-def memory_in_float32(armt: ARMTModel) -> ARMTModel:
-    """Cast the memory parameters of `armt` to float32 in place (whatever the base weights' dtype);
-    returns it."""
-    graphdef, state = nnx.split(armt.memory)
-    armt.memory = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.float32), state))
-    return armt
 
 
 def command_line(args: argparse.Namespace) -> str:

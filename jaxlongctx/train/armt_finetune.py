@@ -16,6 +16,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -252,6 +253,14 @@ def retrieval_loss(logits: jnp.ndarray, batch: dict[str, jnp.ndarray], lm_weight
         weight = (jnp.arange(total - 1)[None] < lengths[:, None] - 1).astype(lm.dtype)  # real targets
         loss = loss + lm_weight * jnp.sum(lm * weight) / jnp.sum(weight)
     return loss
+
+
+def memory_in_float32(armt: ARMTModel) -> ARMTModel:
+    """Cast the memory parameters of `armt` to float32 in place (whatever the base weights' dtype), the
+    precision they are trained in; returns it."""
+    graphdef, state = nnx.split(armt.memory)
+    armt.memory = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.float32), state))
+    return armt
 
 
 def armt_trainer(

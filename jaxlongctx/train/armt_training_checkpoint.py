@@ -18,8 +18,8 @@ from jaxlongctx.armt.base_reference import resolve_base_argument
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.checkpoint import CheckpointError
-from jaxlongctx.commands.train_armt import memory_in_float32
 from jaxlongctx.loading import load
+from jaxlongctx.train.armt_finetune import memory_in_float32
 
 TRAINER_RECORD = "trainer.json"
 
