@@ -110,13 +110,12 @@ def main(argv: list[str] | None = None) -> None:
     lengths = _lengths(args.lengths, "--lengths")
     if args.samples < 1 or args.sequential_samples < 0:
         raise ValueError("--samples must be >= 1 and --sequential-samples >= 0")
+    check_lengths = args.sequential_lengths and _lengths(args.sequential_lengths, "--sequential-lengths")
+    if check_lengths and not set(check_lengths) <= set(lengths):
+        raise ValueError(f"--sequential-lengths {check_lengths} must be among --lengths {lengths}")
     armt, model_info = load_armt(Path(args.model), args.base_dtype)
     native = armt.base.config.max_position_embeddings
-    check_lengths = (
-        [n for n in lengths if n <= native]
-        if args.sequential_lengths is None
-        else _lengths(args.sequential_lengths, "--sequential-lengths")
-    )
+    check_lengths = check_lengths or [n for n in lengths if n <= native]
     print_estimate(armt, lengths, args.samples, check_lengths, args.sequential_samples)
     result = run(armt, lengths, args.samples, check_lengths, args.sequential_samples, args.chunk_segments)
     write_results({**result, "model": model_info, "base_dtype": args.base_dtype, "quick": args.quick})
