@@ -121,7 +121,8 @@ def decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str, 
     req = Request.parse(model, ids, jaxlongctx.SamplingParams(n, stop_ids=()), None)
     ids_p, mask_p = req.padded_prompt()
     prefill, step = _compiled(model, bucket_length(ids_p.shape[1] + n), *req.static_key)
-    logits0, cache0 = prefill(model.params, jnp.asarray(ids_p), jnp.asarray(mask_p))
+    weights = model.params  # gathered once, as generate does
+    logits0, cache0 = prefill(weights, jnp.asarray(ids_p), jnp.asarray(mask_p))
     pos0, slot0 = ids.shape[1], ids_p.shape[1]
     key, done = jax.random.key(0), jnp.zeros((1,), bool)
     t = torch.tensor(ids, dtype=torch.long)
@@ -135,7 +136,7 @@ def decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str, 
         t0 = time.perf_counter()
         for i in range(n):
             _, _, logits, cache = step(
-                model.params, cache, logits, key, done, jnp.array([pos0 + i], jnp.int32), jnp.int32(slot0 + i)
+                weights, cache, logits, key, done, jnp.array([pos0 + i], jnp.int32), jnp.int32(slot0 + i)
             )
         jax.block_until_ready(logits)
         return time.perf_counter() - t0

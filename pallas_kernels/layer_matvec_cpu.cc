@@ -9,7 +9,8 @@
 // weights where they lie, once, widening bf16 in registers. Rows are processed up to kRows at a time
 // against a tile of columns whose accumulators stay in registers; tiles run on XLA's intra-op pool.
 //
-// Shapes: x f32 [M K]; w f32 or bf16 [L K N] ([L N K] transposed); layer s32 []; y f32 [M N].
+// Shapes: x f32 [M K]; layer s32 []; then any number of weight stacks w_i f32 or bf16 [L K N_i]
+// ([L N_i K] transposed), one dtype for all, and as many results y_i f32 [M N_i].
 
 #include <algorithm>
 #include <cstdint>
@@ -17,49 +18,20 @@
 #include <vector>
 
 #include "cpu_tasks.h"
+#include "cpu_vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxlongctx::kLanes, jaxlongctx::load, jaxlongctx::sum, jaxlongctx::v16, jaxlongctx::v16u,
+    jaxlongctx::widen;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-constexpr int64_t kLanes = 16;
 constexpr int64_t kStep = 2 * kLanes;  // columns per step of the (in, out) layout
 constexpr int64_t kColumns = 2048;  // output columns per task of the (in, out) layout (sums in L1)
 constexpr int64_t kUnroll = 4;      // weight rows added per pass over the sums
 constexpr int64_t kTransposedTile = 256;   // output columns (weight rows) per task of the transposed layout
 constexpr int64_t kMinBytesPerTask = 1 << 17;  // below this a task is not worth a pool thread
-
-inline v16 load(const float* p) {
-  v16 r;
-  std::memcpy(&r, p, sizeof(r));
-  return r;
-}
-
-inline v16 load(const uint16_t* p) {  // bf16 -> f32: the 16 bits are the float's high half
-  v16h h;
-  std::memcpy(&h, p, sizeof(h));
-  return (v16)(__builtin_convertvector(h, v16u) << 16);
-}
-
-inline float widen(float v) { return v; }
-
-inline float widen(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline float sum(v16 v) {
-  float s = 0;
-  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
 
 struct Problem {
   const float* x;
@@ -178,35 +150,22 @@ Runner runner(bool transposed) {
   return run_block<W>;
 }
 
-ffi::Error LayerMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool transposed) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument("layer_matvec: x [M K], w [L K N] and y [M N] expected");
+// One weight matrix's problem and its tasks: x times layer `l` of the stack `w`, into y.
+ffi::ErrorOr<Problem> plan(const float* x, int64_t m, int64_t k, int64_t l, ffi::AnyBuffer w,
+                           ffi::Result<ffi::AnyBuffer> y, bool transposed, int64_t threads, int64_t& tasks,
+                           std::vector<float>& partials) {
+  const auto wd = w.dimensions(), yd = y->dimensions();
+  if (wd.size() != 3 || yd.size() != 2 || y->element_type() != ffi::DataType::F32) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument("layer_matvec: w [L K N] and float32 y [M N] expected"));
   }
-  const int64_t m = xd[0], k = xd[1], n = yd[1];
+  const int64_t n = yd[1];
   if ((transposed ? wd[2] != k || wd[1] != n : wd[1] != k || wd[2] != n) || yd[0] != m) {
-    return ffi::Error::InvalidArgument("layer_matvec: operand shapes do not agree");
+    return ffi::Unexpected(ffi::Error::InvalidArgument("layer_matvec: operand shapes do not agree"));
   }
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer_matvec: layer index out of range");
-  int64_t item;
-  Runner run;
-  if (w.element_type() == ffi::DataType::F32) {
-    item = 4;
-    run = runner<float>(transposed);
-  } else if (w.element_type() == ffi::DataType::BF16) {
-    item = 2;
-    run = runner<uint16_t>(transposed);
-  } else {
-    return ffi::Error::InvalidArgument("layer_matvec: weights must be float32 or bfloat16");
-  }
+  if (l < 0 || l >= wd[0]) return ffi::Unexpected(ffi::Error::InvalidArgument("layer_matvec: layer out of range"));
+  const int64_t item = w.element_type() == ffi::DataType::BF16 ? 2 : 4;
   const char* base = static_cast<const char*>(w.untyped_data()) + l * k * n * item;
-  Problem p{x.typed_data(), base, y->typed_data(), m, k, n, transposed};
-  const int64_t worth = std::max<int64_t>(1, k * n * item / kMinBytesPerTask);
-  const int64_t threads = std::min<int64_t>(pool.num_threads(), worth);
-  std::vector<float> partials;
-  int64_t tasks;
+  Problem p{x, base, static_cast<float*>(y->untyped_data()), m, k, n, transposed};
   if (transposed) {
     tasks = (n + kTransposedTile - 1) / kTransposedTile;
   } else {  // split K so that each thread streams its own contiguous rows; one partial [M, N] per chunk
@@ -216,18 +175,64 @@ ffi::Error LayerMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     p.partials = p.k_chunks == 1 ? p.y : partials.data();
     tasks = p.k_chunks * p.column_blocks;
   }
+  return p;
+}
+
+// y_i = x @ w_i[layer] for every weight stack w_i (the remaining arguments) and result y_i, as one set of
+// tasks: several matrices sharing an input (q, k, v; gate, up) cost one dispatch to the pool.
+ffi::Error LayerMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                           ffi::RemainingArgs weights, ffi::RemainingRets results, bool transposed) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || weights.size() == 0 || weights.size() != results.size()) {
+    return ffi::Error::InvalidArgument("layer_matvec: x [M K] and one result per weight stack expected");
+  }
+  const int64_t m = xd[0], k = xd[1], l = layer.typed_data()[0], count = weights.size();
+  std::vector<ffi::AnyBuffer> stacks;
+  int64_t bytes = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    auto w = weights.get<ffi::AnyBuffer>(i);
+    if (!w.has_value()) return w.error();
+    const auto type = w->element_type();
+    if (type != ffi::DataType::F32 && type != ffi::DataType::BF16) {
+      return ffi::Error::InvalidArgument("layer_matvec: weights must be float32 or bfloat16");
+    }
+    if (type != (i ? stacks[0].element_type() : type)) {
+      return ffi::Error::InvalidArgument("layer_matvec: all weight stacks must have one dtype");
+    }
+    stacks.push_back(*w);
+    bytes += w->size_bytes() / std::max<int64_t>(1, w->dimensions()[0]);
+  }
+  const int64_t threads = std::min<int64_t>(pool.num_threads(), std::max<int64_t>(1, bytes / kMinBytesPerTask));
+  std::vector<Problem> problems;
+  std::vector<int64_t> first_task{0};  // problem i runs global tasks [first_task[i], first_task[i + 1])
+  std::vector<std::vector<float>> partials(count);
+  for (int64_t i = 0; i < count; ++i) {
+    auto y = results.get<ffi::AnyBuffer>(i);
+    if (!y.has_value()) return y.error();
+    int64_t tasks = 0;
+    auto p = plan(x.typed_data(), m, k, l, stacks[i], *y, transposed, threads, tasks, partials[i]);
+    if (!p.has_value()) return p.error();
+    problems.push_back(*p);
+    first_task.push_back(first_task.back() + tasks);
+  }
+  const bool bf16 = stacks[0].element_type() == ffi::DataType::BF16;
+  const Runner run = bf16 ? runner<uint16_t>(transposed) : runner<float>(transposed);
   const int64_t acc_size = transposed ? 0 : m * kColumns;  // each thread's partial sums (in, out layout)
-  jaxlongctx::run_tasks<std::vector<float>>(pool, threads, tasks,
-                                            [p, run, acc_size](int64_t t, std::vector<float>& acc) {
-                                              acc.resize(acc_size);
-                                              run(p, t, acc.data());
-                                            });
-  if (!partials.empty()) {
-    float* out = p.y;
-    std::copy(partials.begin(), partials.begin() + m * n, out);
+  jaxlongctx::run_tasks<std::vector<float>>(
+      pool, threads, first_task.back(), [&problems, &first_task, run, acc_size](int64_t t, std::vector<float>& acc) {
+        int64_t i = 0;
+        while (t >= first_task[i + 1]) ++i;
+        acc.resize(acc_size);
+        run(problems[i], t - first_task[i], acc.data());
+      });
+  for (int64_t i = 0; i < count; ++i) {  // sum the K chunks' partials
+    const Problem& p = problems[i];
+    if (partials[i].empty()) continue;
+    const int64_t size = p.m * p.n;
+    std::copy(partials[i].begin(), partials[i].begin() + size, p.y);
     for (int64_t c = 1; c < p.k_chunks; ++c) {
-      const float* part = partials.data() + c * m * n;
-      for (int64_t i = 0; i < m * n; ++i) out[i] += part[i];
+      const float* part = partials[i].data() + c * size;
+      for (int64_t j = 0; j < size; ++j) p.y[j] += part[j];
     }
   }
   return ffi::Error::Success();
@@ -239,7 +244,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerMatvec, LayerMatvecImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<bool>("transposed"));

@@ -38,19 +38,29 @@ def layer_matvec(
     with x, as a tied embedding is), read in place; layer: a scalar int (traced is fine). Products of
     each output accumulate in float32 over K.
     """
+    return layer_matvecs(x, (weights,), layer, transposed)[0]
+
+
+def layer_matvecs(
+    x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Array | int, transposed: bool = False
+) -> tuple[jax.Array, ...]:
+    """`layer_matvec` of one input by several weight stacks (one dtype), in one call: `(x @ w[layer], ...)`."""
     error = native_kernel_error()
     if error is not None:
         raise RuntimeError(f"layer_matvec: the native CPU kernel is unavailable: {error}")
-    if weights.ndim != 3 or weights.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(
-            f"layer_matvec: weights must be float32/bfloat16 [L, K, N], got {weights.dtype}{weights.shape}"
-        )
-    n, k = (weights.shape[1], weights.shape[2]) if transposed else (weights.shape[2], weights.shape[1])
-    if x.shape[-1] != k:
-        raise ValueError(f"layer_matvec: x has {x.shape[-1]} features, the weights {k}")
+    k = x.shape[-1]
+    outs = []
+    for w in weights:
+        if w.ndim != 3 or w.dtype not in (jnp.float32, jnp.bfloat16) or w.dtype != weights[0].dtype:
+            raise ValueError(
+                f"layer_matvec: weights must be float32/bfloat16 [L, K, N] of one dtype, got {w.dtype}{w.shape}"
+            )
+        n, wk = (w.shape[1], w.shape[2]) if transposed else (w.shape[2], w.shape[1])
+        if wk != k:
+            raise ValueError(f"layer_matvec: x has {k} features, the weights {wk}")
+        outs.append(n)
     rows = x.reshape(-1, k).astype(jnp.float32)
-    call = jax.ffi.ffi_call(
-        TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential"
-    )
-    y = call(rows, weights, jnp.asarray(layer, jnp.int32), transposed=transposed)
-    return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+    shapes = tuple(jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32) for n in outs)
+    call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="sequential")
+    ys = call(rows, jnp.asarray(layer, jnp.int32), *weights, transposed=transposed)
+    return tuple(y.reshape(*x.shape[:-1], n).astype(x.dtype) for y, n in zip(ys, outs))

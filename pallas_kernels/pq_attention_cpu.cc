@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cpu_tasks.h"
+#include "cpu_vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -46,26 +47,7 @@ inline v4 max4(v4 a, v4 b) { return a > b ? a : b; }
 
 typedef int32_t v4i __attribute__((vector_size(16)));
 
-// exp of 4 lanes, x <= 0 (weights below the running max): 2^n * e^r with |r| <= ln2 / 2 and a
-// degree-6 Taylor polynomial (relative error about 1e-7); x below -87 gives e^-87, not 0.
-inline v4 exp4(v4 x) {
-  x = max4(x, v4{-87.0f, -87.0f, -87.0f, -87.0f});
-  const v4 t = x * 1.44269504f;
-  const v4i n = __builtin_convertvector(t - 0.5f, v4i);  // round to nearest for t <= 0
-  const v4 nf = __builtin_convertvector(n, v4);
-  const v4 r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  v4 poly = 1.0f / 720 + r * (1.0f / 5040);
-  poly = 1.0f / 120 + r * poly;
-  poly = 1.0f / 24 + r * poly;
-  poly = 1.0f / 6 + r * poly;
-  poly = 0.5f + r * poly;
-  poly = 1.0f + r * poly;
-  poly = 1.0f + r * poly;
-  const v4i bits = (n + 127) << 23;
-  v4 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return poly * scale;
-}
+inline v4 exp4(v4 x) { return jaxlongctx::exp_nonpositive<v4, v4i>(x); }
 
 struct Problem {
   const float* lut;

@@ -1,4 +1,5 @@
-"""The in-place CPU product for decode steps: kernel numerics, errors, and the decode paths that use it."""
+"""The in-place CPU products for decode steps: kernel numerics, errors, and the decode paths that use them
+(with the in-place attention of `test_decode_attention_cpu`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from jaxlongctx.decode_loop import Request
 from jaxlongctx.generate import _compiled
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model import llama
-from pallas_kernels import layer_matvec_cpu
-from pallas_kernels.layer_matvec_cpu import layer_matvec
+from pallas_kernels import decode_attention_cpu, layer_matvec_cpu
+from pallas_kernels.layer_matvec_cpu import layer_matvec, layer_matvecs
 
 pytestmark = pytest.mark.jaxmin
 
@@ -58,6 +59,20 @@ def test_matches_a_float64_reference(dtype, rows, k, n, transposed):
     for layer in range(layers):
         want = _reference(x, w64, layer, transposed)
         np.testing.assert_allclose(got[layer], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_several_weight_stacks_in_one_call():
+    """q/k/v-like stacks of different widths share x: each result equals its own product."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 96)).astype(np.float32)
+    stacks = tuple(jnp.asarray(rng.standard_normal((4, 96, n)), jnp.bfloat16) for n in (96, 32, 32, 2100))
+    got = jax.jit(lambda x, i: layer_matvecs(x, stacks, i))(jnp.asarray(x), 3)
+    for y, w in zip(got, stacks):
+        np.testing.assert_allclose(
+            np.asarray(y), np.asarray(layer_matvec(jnp.asarray(x), w, 3)), rtol=1e-6, atol=1e-5
+        )
+    with pytest.raises(ValueError, match="of one dtype"):
+        layer_matvecs(jnp.asarray(x), (stacks[0], stacks[1].astype(jnp.float32)), 0)
 
 
 def test_keeps_leading_axes_and_the_input_dtype():
@@ -122,7 +137,8 @@ def test_dense_decode_reads_weights_in_place_with_the_same_tokens(dtype):
             texts[in_place] = step.lower(*args, jnp.full((2,), 9, jnp.int32), jnp.int32(9)).as_text()
         finally:
             llama.IN_PLACE_DECODE = True
-    assert layer_matvec_cpu.TARGET in texts[True] and layer_matvec_cpu.TARGET not in texts[False]
+    for target in (layer_matvec_cpu.TARGET, decode_attention_cpu.TARGET):
+        assert target in texts[True] and target not in texts[False]
 
 
 def test_pq_decode_reads_weights_in_place_with_the_same_tokens():

@@ -36,6 +36,7 @@ from jaxlongctx.model.attention import (
 )
 from jaxlongctx.model.layers import Attend
 from jaxlongctx.sharding import sharded_pq_decode_attention
+from pallas_kernels.decode_attention_cpu import cached_decode_attention
 
 KVPair = tuple[jnp.ndarray, jnp.ndarray]  # keys and values (or their caches) of one layer
 KVMap = Callable[[jnp.ndarray, jnp.ndarray], KVPair]  # post-RoPE (k, v) -> transformed (k, v)
@@ -83,7 +84,9 @@ class SlotAttention:
 @dataclasses.dataclass(frozen=True)
 class CachedDecode:
     """One new token per row (q `[B, 1, H, hd]`) over one layer's static cache `cache_k/v [B, K, S, hd]`
-    (the slots in `visible [B, S]`) and over its own k/v, which the cache does not hold yet.
+    (the slots in `visible [B, S]`) and over its own k/v, which the cache does not hold yet. With
+    `layer` set, cache_k/v are the whole stacked caches `[L, B, K, S, hd]` and layer `layer`'s slots
+    are read in place by the CPU kernel (`pallas_kernels.decode_attention_cpu`).
 
     aux: the new k/v in the cache's layout and dtype `[B, K, 1, hd]`, for the caller to write into the
     cache after the layer scan (no layer writes into its slice).
@@ -92,9 +95,13 @@ class CachedDecode:
     cache_k: jnp.ndarray
     cache_v: jnp.ndarray
     visible: jnp.ndarray
+    layer: jnp.ndarray | None = None
 
     def __call__(self, q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray) -> tuple[jnp.ndarray, KVPair]:
-        out = decode_attention(q, self.cache_k, self.cache_v, k, v, self.visible)
+        if self.layer is None:
+            out = decode_attention(q, self.cache_k, self.cache_v, k, v, self.visible)
+        else:
+            out = cached_decode_attention(q, self.cache_k, self.cache_v, self.visible, self.layer, k, v)
         return out, tuple(x.swapaxes(1, 2).astype(self.cache_k.dtype) for x in (k, v))
 
 

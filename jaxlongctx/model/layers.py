@@ -14,6 +14,7 @@ every vector parameter and on the activations, and a `Dense` that multiplies gro
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,27 @@ from jaxlongctx.model.rope import apply_rope
 from jaxlongctx.sharding import matmul
 
 Dense = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]  # (x [..., in], weight) -> x @ weight [..., out]
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedDense:
+    """A `Dense` that also multiplies one input by several weights in one call (`many`): the layer's
+    q/k/v and gate/up products then cost one kernel call each (the in-place CPU decode kernel)."""
+
+    one: Dense
+    many: Callable[[jnp.ndarray, tuple[jnp.ndarray, ...]], tuple[jnp.ndarray, ...]]
+
+    def __call__(self, x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+        return self.one(x, w)
+
+
+def products(dense: Dense, x: jnp.ndarray, weights: tuple[jnp.ndarray, ...]) -> tuple[jnp.ndarray, ...]:
+    """`x` times each of `weights`: one call of a `FusedDense`, else one `dense` product each."""
+    if isinstance(dense, FusedDense):
+        return dense.many(x, weights)
+    return tuple(dense(x, w) for w in weights)
+
+
 # (q [..., T, H, hd], k [..., T, K, hd], v [..., T, K, hd]), post-RoPE -> (out [..., T, H, hd], aux)
 Attend = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray], tuple[jnp.ndarray, Any]]
 
@@ -94,7 +116,7 @@ class DecoderLayer(nnx.Module):
         cfg = self.config
         lead = h.shape[:-1]
         x = rms_norm(h, per_layer(self.input_norm[...], h), cfg.rms_norm_eps)
-        q, k, v = dense(x, self.wq[...]), dense(x, self.wk[...]), dense(x, self.wv[...])
+        q, k, v = products(dense, x, (self.wq[...], self.wk[...], self.wv[...]))
         if cfg.qkv_bias:
             q, k, v = (
                 q + per_layer(self.bq[...], q),
@@ -121,7 +143,8 @@ class DecoderLayer(nnx.Module):
             o = o + per_layer(self.bo[...], o)
         h = h + o
         x = rms_norm(h, per_layer(self.post_norm[...], h), cfg.rms_norm_eps)
-        gated = jax.nn.silu(dense(x, self.w_gate[...])) * dense(x, self.w_up[...])
+        gate, up = products(dense, x, (self.w_gate[...], self.w_up[...]))
+        gated = jax.nn.silu(gate) * up
         return h + dense(gated, self.w_down[...])
 
 

@@ -8,15 +8,29 @@ from flax import nnx
 
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.attention_strategies import CachedDecode, CausalPrefill
-from jaxlongctx.model.layers import DecoderLayer, Dense, rms_norm, stacked_layers
+from jaxlongctx.model.layers import DecoderLayer, Dense, FusedDense, rms_norm, stacked_layers
 from jaxlongctx.model.rope import inverse_frequencies, rope_tables
 from jaxlongctx.sharding import embed_lookup, matmul, reshard_like
-from pallas_kernels.layer_matvec_cpu import MAX_ROWS, layer_matvec, native_kernel_error
+from pallas_kernels import decode_attention_cpu
+from pallas_kernels.layer_matvec_cpu import MAX_ROWS, layer_matvec, layer_matvecs, native_kernel_error
 
 # Decode steps on CPU multiply by the weight matrices where they lie in the stacked arrays
 # (`pallas_kernels.layer_matvec_cpu`) instead of XLA's dot on per-layer copies. Read when a step is
 # traced; the decode bench and the tests turn it off to run XLA's path side by side.
 IN_PLACE_DECODE = True
+
+
+def reads_cache_in_place(model: Llama, cache_k: jax.Array, rows: int) -> bool:
+    """Whether a decode step over `rows` token rows reads the weights and the stacked dense cache
+    `cache_k [L, B, K, S, hd]` in place (`pallas_kernels.decode_attention_cpu`)."""
+    cfg = model.config
+    return (
+        reads_weights_in_place(model.embed[...], rows)
+        and cache_k.dtype in (jnp.float32, jnp.bfloat16)
+        and jax.typeof(cache_k).sharding.mesh.empty
+        and decode_attention_cpu.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        and decode_attention_cpu.native_kernel_error() is None
+    )
 
 
 def reads_weights_in_place(weights: jax.Array, rows: int) -> bool:
@@ -95,7 +109,7 @@ class Llama(nnx.Module):
         def step(c, per_layer):
             i, x = per_layer
             layer = nnx.merge(graphdef, jax.tree.map(lambda w: w if w.ndim == 3 else w[i], state))
-            dense: Dense = lambda v, w: layer_matvec(v, w, i)
+            dense = FusedDense(lambda v, w: layer_matvec(v, w, i), lambda v, ws: layer_matvecs(v, ws, i))
             return body(layer, dense, c, x)
 
         return jax.lax.scan(step, h, (jnp.arange(self.config.num_layers), xs))
@@ -175,20 +189,29 @@ def decode_hidden(
     to, the same for every row), cache_k/v `[L, B, K, S, hd]`, key_valid `[B, S]` (already True at
     `slot`) -> hidden `[B, 1, D]` and the updated caches.
 
-    The layer scan reads each layer's cache slice as a scanned input (never carrying the whole
-    cache, which would make XLA copy it every layer). The new token attends to the cached slots
-    and to its own key/value separately (`decode_attention`), so no layer writes into its slice;
-    the new keys/values of all layers go into the (donated) cache in place after the scan.
+    On CPU (`reads_cache_in_place`) every layer reads its slots from the whole cache in place;
+    elsewhere the layer scan takes each layer's cache slice as a scanned input (never carrying the
+    whole cache, which would make XLA copy it every layer). The new token attends to the cached
+    slots and to its own key/value separately, so no layer writes into the cache; the new
+    keys/values of all layers go into the (donated) cache in place after the scan.
     """
     cos, sin = model.rope(positions)
     visible = key_valid & (jnp.arange(cache_k.shape[3]) < slot)[None]  # cached tokens before `slot`
+    h = model.embed_ids(ids)
+    if reads_cache_in_place(model, cache_k, h.shape[0] * h.shape[1]):  # the whole cache, layer i in place
 
-    def body(layer: DecoderLayer, dense: Dense, h, layer_cache):
-        ck, cv = layer_cache  # [B, K, S, hd]
-        return layer(h, cos, sin, CachedDecode(ck, cv, visible), dense)
+        def body(layer: DecoderLayer, dense: Dense, h, i):
+            return layer(h, cos, sin, CachedDecode(cache_k, cache_v, visible, layer=i), dense)
 
-    # k_new: L B K 1 hd
-    h, (k_new, v_new) = model.scan_decode_layers(body, model.embed_ids(ids), (cache_k, cache_v))
+        xs = jnp.arange(model.config.num_layers)
+    else:  # each layer's cache slice as a scanned input
+
+        def body(layer: DecoderLayer, dense: Dense, h, layer_cache):
+            ck, cv = layer_cache  # [B, K, S, hd]
+            return layer(h, cos, sin, CachedDecode(ck, cv, visible), dense)
+
+        xs = (cache_k, cache_v)
+    h, (k_new, v_new) = model.scan_decode_layers(body, h, xs)  # k_new: L B K 1 hd
     cache_k = jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, slot, 0))
     cache_v = jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, 0, slot, 0))
     return h, cache_k, cache_v

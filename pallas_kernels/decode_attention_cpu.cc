@@ -1,0 +1,163 @@
+// Decode attention over one layer of a stacked dense K/V cache, read in place, on CPU: an XLA FFI handler.
+//
+// One new token per row: its G query heads of kv head k attend over the cached slots of layer `layer`
+// that `visible` marks. XLA's CPU path copies each layer's cache slice out of the stacked cache before
+// its dots; this handler reads the slots where they lie. A task is (row b, kv head k, token split s):
+// it walks its slots in chunks, scores G heads per slot (dot products of hd), takes the chunk's
+// softmax weights with an online max, and adds the weighted values. It returns each split's normalised
+// output and log-sum-exp; the caller merges the splits and the token's own key/value.
+//
+// Shapes: q f32 [B K G hd] (scale folded in); k_cache, v_cache f32 or bf16 [L B K S hd]; visible pred
+// [B S]; layer s32 []; out f32 [B K P G hd], lse f32 [B K P G] (P splits). A split that sees no slot
+// gives (0, -inf).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_tasks.h"
+#include "cpu_vector_math.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using jaxlongctx::kLanes, jaxlongctx::load, jaxlongctx::sum, jaxlongctx::v16, jaxlongctx::v16i;
+
+namespace {
+
+constexpr int64_t kChunk = 64;     // slots scored before their weights are applied
+constexpr int64_t kMaxGroup = 16;  // query heads per kv head (checked by the caller)
+
+struct Problem {
+  const float* q;
+  const void* k;  // this layer's [B K S hd]
+  const void* v;
+  const bool* visible;
+  float* out;
+  float* lse;
+  int64_t batch, kv_heads, group, head_dim, slots, splits;
+};
+
+// A thread's buffers, reused by every task it runs in one call.
+struct Scratch {
+  std::vector<float> acc;      // [G hd] weighted values
+  std::vector<float> weights;  // [G kChunk] scores, then weights
+  std::vector<int32_t> slots;  // [kChunk] the visible slots of a chunk
+};
+
+template <typename T>
+void run_task(const Problem& p, int64_t task, Scratch& scratch) {
+  const int64_t s = task % p.splits, k = (task / p.splits) % p.kv_heads, b = task / (p.splits * p.kv_heads);
+  const int64_t G = p.group, hd = p.head_dim, vecs = hd / kLanes;
+  const int64_t lo = s * p.slots / p.splits, hi = (s + 1) * p.slots / p.splits;
+  const int64_t head = (b * p.kv_heads + k) * p.slots * hd;  // this (row, kv head)'s first slot
+  const T* keys = static_cast<const T*>(p.k) + head;
+  const T* values = static_cast<const T*>(p.v) + head;
+  const bool* seen = p.visible + b * p.slots;
+  const float* q = p.q + (b * p.kv_heads + k) * G * hd;
+
+  scratch.acc.assign(G * hd, 0.0f);
+  scratch.weights.resize(G * kChunk);
+  scratch.slots.resize(kChunk);
+  float* acc = scratch.acc.data();
+  float* weights = scratch.weights.data();
+  int32_t* slot = scratch.slots.data();
+  float peak[kMaxGroup], total[kMaxGroup];
+  std::fill(peak, peak + G, -std::numeric_limits<float>::infinity());
+  std::fill(total, total + G, 0.0f);
+
+  for (int64_t t0 = lo; t0 < hi; t0 += kChunk) {
+    int64_t n = 0;
+    for (int64_t t = t0; t < std::min(hi, t0 + kChunk); ++t)
+      if (seen[t]) slot[n++] = static_cast<int32_t>(t);
+    if (n == 0) continue;
+    for (int64_t i = 0; i < n; ++i) {  // scores [G, n]
+      const T* key = keys + slot[i] * hd;
+      for (int64_t g = 0; g < G; ++g) {
+        v16 dot = {};
+        for (int64_t j = 0; j < vecs; ++j) dot += load(q + g * hd + j * kLanes) * load(key + j * kLanes);
+        weights[g * kChunk + i] = sum(dot);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {  // online softmax: rescale what came before to the new peak
+      float* w = weights + g * kChunk;
+      const float chunk_peak = *std::max_element(w, w + n);
+      const float next = std::max(peak[g], chunk_peak);
+      const float factor = std::exp(peak[g] - next);  // 0 for the first chunk (peak -inf)
+      for (int64_t j = 0; j < hd; ++j) acc[g * hd + j] *= factor;
+      total[g] *= factor;
+      peak[g] = next;
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) {
+        const v16 e = jaxlongctx::exp_nonpositive<v16, v16i>(load(w + i) - next);
+        std::memcpy(w + i, &e, sizeof(e));
+        total[g] += sum(e);
+      }
+      for (; i < n; ++i) total[g] += (w[i] = std::exp(w[i] - next));
+    }
+    for (int64_t i = 0; i < n; ++i) {  // acc[g] += w[g, i] * value[i]
+      const T* value = values + slot[i] * hd;
+      for (int64_t j = 0; j < vecs; ++j) {
+        const v16 vj = load(value + j * kLanes);
+        for (int64_t g = 0; g < G; ++g) {
+          v16 a = load(acc + g * hd + j * kLanes);
+          a += weights[g * kChunk + i] * vj;
+          std::memcpy(acc + g * hd + j * kLanes, &a, sizeof(a));
+        }
+      }
+    }
+  }
+  const int64_t part = ((b * p.kv_heads + k) * p.splits + s) * G;  // [B K P G] index of (b, k, s, 0)
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = total[g] > 0 ? 1.0f / total[g] : 0.0f;
+    for (int64_t j = 0; j < hd; ++j) p.out[(part + g) * hd + j] = acc[g * hd + j] * inv;
+    p.lse[part + g] = total[g] > 0 ? peak[g] + std::log(total[g]) : -std::numeric_limits<float>::infinity();
+  }
+}
+
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::S32> layer,
+                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  const auto qd = q.dimensions(), cd = k_cache.dimensions(), od = out->dimensions();
+  if (qd.size() != 4 || cd.size() != 5 || od.size() != 5 || v_cache.dimensions().size() != 5) {
+    return ffi::Error::InvalidArgument("decode_attention: unexpected operand ranks");
+  }
+  const int64_t B = qd[0], K = qd[1], G = qd[2], hd = qd[3], S = cd[3], P = od[2];
+  if (cd[1] != B || cd[2] != K || cd[4] != hd || hd % kLanes || G > kMaxGroup ||
+      k_cache.element_type() != v_cache.element_type()) {
+    return ffi::Error::InvalidArgument("decode_attention: operand shapes or dtypes do not agree");
+  }
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("decode_attention: layer index out of range");
+  const bool bf16 = k_cache.element_type() == ffi::DataType::BF16;
+  if (!bf16 && k_cache.element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("decode_attention: the cache must be float32 or bfloat16");
+  }
+  const int64_t offset = l * B * K * S * hd * (bf16 ? 2 : 4);
+  const Problem p{q.typed_data(),
+                  static_cast<const char*>(k_cache.untyped_data()) + offset,
+                  static_cast<const char*>(v_cache.untyped_data()) + offset,
+                  visible.typed_data(),
+                  out->typed_data(),
+                  lse->typed_data(),
+                  B, K, G, hd, S, P};
+  auto run = bf16 ? run_task<uint16_t> : run_task<float>;
+  jaxlongctx::run_tasks<Scratch>(pool, pool.num_threads(), B * K * P,
+                                 [p, run](int64_t t, Scratch& s) { run(p, t, s); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
