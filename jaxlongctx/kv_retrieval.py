@@ -69,15 +69,22 @@ def quantize_layers(
 
 
 def answer(
-    model: Model, prompt_cache: PromptCache, item: RetrievalItem, transform: KVTransform | None
+    model: Model,
+    prompt_cache: PromptCache,
+    item: RetrievalItem,
+    transform: KVTransform | None,
+    recent_exact: int = 0,
 ) -> np.ndarray:
-    """Greedy code digits `[CODE_DIGITS]` after the forced answer prefix, the prompt's K/V through `transform`."""
+    """Greedy code digits `[CODE_DIGITS]` after the forced answer prefix, the prompt's K/V through
+    `transform` except its last `recent_exact` tokens, kept exact (MILLION's recent window)."""
     k, v = prompt_cache.k, prompt_cache.v
     if transform is not None:
         # pad slots repeat the last prompt token, so a quantizer with statistics over groups of tokens
         # (the uniform baseline) sees only the prompt's own values
         last = jnp.minimum(jnp.arange(k.shape[2]), prompt_cache.length - 1)
-        k, v = _quantizer(transform)(k[:, :, last], v[:, :, last])
+        kq, vq = _quantizer(transform)(k[:, :, last], v[:, :, last])
+        exact = (jnp.arange(k.shape[2]) >= prompt_cache.length - recent_exact)[None, None, :, None, None]
+        k, v = jnp.where(exact, k, kq), jnp.where(exact, v, vq)
     cache_k, cache_v = (x.transpose(0, 1, 3, 2, 4) for x in (k, v))  # [L, B, K, S, hd]
     state = {"k": cache_k, "v": cache_v, "valid": prompt_cache.mask, "position": prompt_cache.length}
     step = _compiled(model)[1]

@@ -169,3 +169,30 @@ def test_pq_generation_refuses_weighted_codebooks(smollm2_fp32, weighted_codeboo
     ids = np.asarray([[1, 2, 3]])
     with pytest.raises(ValueError, match="weight channels"):
         generate(smollm2_fp32, ids, SamplingParams(2), cache=PQKV(weighted_codebooks))
+
+
+def test_recent_exact_prompt_tokens_bypass_the_transform():
+    """Answers over a destroyed prompt cache with every prompt token in the exact recent window equal
+    the dense answers; with none exact they are the destroyed cache's."""
+    import jaxlongctx
+    from jaxlongctx.config import ModelConfig
+    from jaxlongctx.data.chat_retrieval import RetrievalItem
+
+    cfg = ModelConfig(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+    )
+    model = jaxlongctx.Model.init(cfg, seed=5)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(3, 97, 40).astype(np.int32)
+    item = RetrievalItem(prompt, rng.integers(3, 97, 3).astype(np.int32), np.zeros(4, np.int32), "", 0.5, 0)
+    cache = PromptCache(model, prompt, 64)
+    scramble = lambda k, v, layer: (-3.0 * k[..., ::-1, :, :], jnp.flip(v, axis=2) * 0.0)
+    dense = answer(model, cache, item, None)
+    np.testing.assert_array_equal(answer(model, cache, item, scramble, recent_exact=prompt.size), dense)
+    assert not np.array_equal(answer(model, cache, item, scramble), dense)
