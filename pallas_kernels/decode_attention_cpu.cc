@@ -29,6 +29,7 @@ namespace {
 
 constexpr int64_t kChunk = 64;     // slots scored before their weights are applied
 constexpr int64_t kMaxGroup = 16;  // query heads per kv head (checked by the caller)
+constexpr int64_t kSlotsPerPass = 4;  // values added to the sums per pass over them
 
 struct Problem {
   const float* q;
@@ -47,10 +48,12 @@ struct Scratch {
   std::vector<int32_t> slots;  // [kChunk] the visible slots of a chunk
 };
 
-template <typename T>
+// Vecs = head_dim / 16, a compile-time count so that a key's vectors and the dot products stay in
+// registers.
+template <typename T, int64_t Vecs>
 void run_task(const Problem& p, int64_t task, Scratch& scratch) {
   const int64_t s = task % p.splits, k = (task / p.splits) % p.kv_heads, b = task / (p.splits * p.kv_heads);
-  const int64_t G = p.group, hd = p.head_dim, vecs = hd / kLanes;
+  const int64_t G = p.group, hd = Vecs * kLanes, vecs = Vecs;
   const int64_t lo = s * p.slots / p.splits, hi = (s + 1) * p.slots / p.splits;
   const int64_t head = (b * p.kv_heads + k) * p.slots * hd;  // this (row, kv head)'s first slot
   const T* keys = static_cast<const T*>(p.k) + head;
@@ -73,11 +76,27 @@ void run_task(const Problem& p, int64_t task, Scratch& scratch) {
     for (int64_t t = t0; t < std::min(hi, t0 + kChunk); ++t)
       if (seen[t]) slot[n++] = static_cast<int32_t>(t);
     if (n == 0) continue;
-    for (int64_t i = 0; i < n; ++i) {  // scores [G, n]
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {  // scores [G, n], four slots at a time (their lane sums reduced together)
+      v16 kv[4][Vecs];
+      for (int64_t u = 0; u < 4; ++u)
+        for (int64_t j = 0; j < Vecs; ++j) kv[u][j] = load(keys + slot[i + u] * hd + j * kLanes);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * hd;
+        v16 dot[4];
+        for (int64_t u = 0; u < 4; ++u) dot[u] = kv[u][0] * load(qg);
+        for (int64_t j = 1; j < Vecs; ++j) {
+          const v16 qj = load(qg + j * kLanes);
+          for (int64_t u = 0; u < 4; ++u) dot[u] += kv[u][j] * qj;
+        }
+        jaxlongctx::sums4(dot[0], dot[1], dot[2], dot[3], weights + g * kChunk + i);
+      }
+    }
+    for (; i < n; ++i) {
       const T* key = keys + slot[i] * hd;
       for (int64_t g = 0; g < G; ++g) {
-        v16 dot = {};
-        for (int64_t j = 0; j < vecs; ++j) dot += load(q + g * hd + j * kLanes) * load(key + j * kLanes);
+        v16 dot = load(key) * load(q + g * hd);
+        for (int64_t j = 1; j < Vecs; ++j) dot += load(key + j * kLanes) * load(q + g * hd + j * kLanes);
         weights[g * kChunk + i] = sum(dot);
       }
     }
@@ -97,7 +116,24 @@ void run_task(const Problem& p, int64_t task, Scratch& scratch) {
       }
       for (; i < n; ++i) total[g] += (w[i] = std::exp(w[i] - next));
     }
-    for (int64_t i = 0; i < n; ++i) {  // acc[g] += w[g, i] * value[i]
+    i = 0;
+    for (; i + kSlotsPerPass <= n; i += kSlotsPerPass) {  // acc[g] += sum_i w[g, i] * value[i], 4 slots a pass
+      const T* v0 = values + slot[i] * hd;
+      const T* v1 = values + slot[i + 1] * hd;
+      const T* v2 = values + slot[i + 2] * hd;
+      const T* v3 = values + slot[i + 3] * hd;
+      for (int64_t j = 0; j < vecs; ++j) {
+        const int64_t at = j * kLanes;
+        const v16 x0 = load(v0 + at), x1 = load(v1 + at), x2 = load(v2 + at), x3 = load(v3 + at);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* w = weights + g * kChunk + i;
+          v16 a = load(acc + g * hd + at);
+          a += w[0] * x0 + w[1] * x1 + w[2] * x2 + w[3] * x3;
+          std::memcpy(acc + g * hd + at, &a, sizeof(a));
+        }
+      }
+    }
+    for (; i < n; ++i) {
       const T* value = values + slot[i] * hd;
       for (int64_t j = 0; j < vecs; ++j) {
         const v16 vj = load(value + j * kLanes);
@@ -114,6 +150,20 @@ void run_task(const Problem& p, int64_t task, Scratch& scratch) {
     const float inv = total[g] > 0 ? 1.0f / total[g] : 0.0f;
     for (int64_t j = 0; j < hd; ++j) p.out[(part + g) * hd + j] = acc[g * hd + j] * inv;
     p.lse[part + g] = total[g] > 0 ? peak[g] + std::log(total[g]) : -std::numeric_limits<float>::infinity();
+  }
+}
+
+using Runner = void (*)(const Problem&, int64_t, Scratch&);
+
+template <typename T>
+Runner runner(int64_t vecs) {
+  switch (vecs) {
+    case 1: return run_task<T, 1>;
+    case 2: return run_task<T, 2>;
+    case 4: return run_task<T, 4>;
+    case 6: return run_task<T, 6>;
+    case 8: return run_task<T, 8>;
+    default: return nullptr;
   }
 }
 
@@ -143,7 +193,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                   out->typed_data(),
                   lse->typed_data(),
                   B, K, G, hd, S, P};
-  auto run = bf16 ? run_task<uint16_t> : run_task<float>;
+  const Runner run = bf16 ? runner<uint16_t>(hd / kLanes) : runner<float>(hd / kLanes);
+  if (run == nullptr) return ffi::Error::InvalidArgument("decode_attention: head_dim must be 16, 32, 64, 96 or 128");
   jaxlongctx::run_tasks<Scratch>(pool, pool.num_threads(), B * K * P,
                                  [p, run](int64_t t, Scratch& s) { run(p, t, s); });
   return ffi::Error::Success();

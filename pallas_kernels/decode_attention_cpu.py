@@ -22,7 +22,7 @@ from pallas_kernels import native_build
 SOURCE = Path(__file__).with_name("decode_attention_cpu.cc")
 TARGET = "jaxlongctx_decode_attention"
 MAX_GROUP = 16  # query heads per kv head the kernel takes
-LANES = 16  # head_dim must be a multiple of this
+HEAD_DIMS = (16, 32, 64, 96, 128)  # head sizes the kernel is compiled for
 MIN_SPLIT_SLOTS = 512  # fewer slots per token split than this are not worth a task
 
 
@@ -34,7 +34,7 @@ def native_kernel_error() -> str | None:
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether the kernel takes this head layout."""
-    return num_heads // num_kv_heads <= MAX_GROUP and head_dim % LANES == 0
+    return num_heads // num_kv_heads <= MAX_GROUP and head_dim in HEAD_DIMS
 
 
 def token_splits(batch: int, kv_heads: int, slots: int) -> int:

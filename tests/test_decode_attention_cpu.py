@@ -30,6 +30,7 @@ def _require_native():
         (3, 1, 3, 3, 1024, 64),  # SmolLM2's heads, one split per (row, kv head)
         (2, 2, 2, 4, 3000, 32),  # several token splits, a chunk tail
         (2, 3, 1, 1, 70, 16),  # one query head per kv head, fewer slots than a chunk
+        (1, 2, 2, 2, 301, 128),  # Llama's head size; slots not a multiple of 4
     ],
 )
 def test_equals_the_xla_path_on_the_layer_slice(dtype, tol, layers, batch, kv_heads, group, slots, head_dim):
@@ -64,6 +65,7 @@ def test_equals_the_xla_path_on_the_layer_slice(dtype, tol, layers, batch, kv_he
 
 def test_unsupported_head_layouts_are_refused():
     assert decode_attention_cpu.supports(9, 3, 64) and not decode_attention_cpu.supports(9, 3, 40)
+    assert not decode_attention_cpu.supports(9, 3, 48) and not decode_attention_cpu.supports(34, 2, 64)
     q = jnp.ones((1, 1, 2, 40))
     cache = jnp.ones((1, 1, 1, 8, 40))
     with pytest.raises(ValueError, match="not supported"):
