@@ -303,7 +303,10 @@ def merge(name: str) -> dict:
     from jaxlongctx.train.evaluate import exact_match_interval
 
     def parts(stem: str) -> list[dict]:
-        files = sorted(RESULTS_DIR.glob(f"{result_name(stem + '_shard*of*')}.json"))
+        pattern = result_name(stem + "_shard*of*")
+        files = sorted(RESULTS_DIR.glob(f"{pattern}.json"))
+        if not pattern.endswith("_quick"):  # the glob also matches quick runs' shards
+            files = [f for f in files if not f.stem.endswith("_quick")]
         return [json.loads(f.read_text()) for f in files]
 
     ppl_parts = parts(name)
