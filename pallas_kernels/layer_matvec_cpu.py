@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import native_build
 
@@ -59,8 +60,39 @@ def layer_matvecs(
         if wk != k:
             raise ValueError(f"layer_matvec: x has {k} features, the weights {wk}")
         outs.append(n)
+    return _products(x, tuple(weights), jnp.asarray(layer, jnp.int32), transposed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _products(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Array, transposed: bool):
+    """The kernel call, differentiable: its gradients are XLA's products (training through a head or a
+    decode step over few rows, e.g. a small batch's last tokens)."""
+    k = x.shape[-1]
     rows = x.reshape(-1, k).astype(jnp.float32)
-    shapes = tuple(jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32) for n in outs)
+    widths = [w.shape[1] if transposed else w.shape[2] for w in weights]
+    shapes = tuple(jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32) for n in widths)
     call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="sequential")
-    ys = call(rows, jnp.asarray(layer, jnp.int32), *weights, transposed=transposed)
-    return tuple(y.reshape(*x.shape[:-1], n).astype(x.dtype) for y, n in zip(ys, outs))
+    ys = call(rows, layer, *weights, transposed=transposed)
+    return tuple(y.reshape(*x.shape[:-1], n).astype(x.dtype) for y, n in zip(ys, widths))
+
+
+def _products_fwd(x, weights, layer, transposed):
+    return _products(x, weights, layer, transposed), (x, weights, layer)
+
+
+def _products_bwd(transposed, residuals, grads):
+    """dx = sum_i dy_i @ w_i[layer]^T; dw_i is zero but at `layer`, where it is x^T dy_i."""
+    x, weights, layer = residuals
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    dx = jnp.zeros_like(rows)
+    dweights = []
+    for w, g in zip(weights, grads):
+        dy = g.reshape(rows.shape[0], -1).astype(jnp.float32)
+        wl = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False).astype(jnp.float32)  # [K N] or [N K]
+        dx = dx + (dy @ wl if transposed else dy @ wl.T)
+        dwl = dy.T @ rows if transposed else rows.T @ dy
+        dweights.append(jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dwl.astype(w.dtype), layer, 0))
+    return dx.reshape(x.shape).astype(x.dtype), tuple(dweights), np.zeros(np.shape(layer), jax.dtypes.float0)
+
+
+_products.defvjp(_products_fwd, _products_bwd)

@@ -75,6 +75,23 @@ def test_several_weight_stacks_in_one_call():
         layer_matvecs(jnp.asarray(x), (stacks[0], stacks[1].astype(jnp.float32)), 0)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gradients_are_those_of_the_plain_product(transposed):
+    """Training through a few-row head or step: d/dx and d/dw equal XLA's product's."""
+    rng = np.random.default_rng(11)
+    w = jnp.asarray(rng.standard_normal((3, 20, 12) if transposed else (3, 12, 20)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 1, 12)), jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((2, 1, 20)), jnp.float32)
+
+    def plain(x, w):
+        wl = w[1].T if transposed else w[1]
+        return jnp.sum((x @ wl) * cot)
+
+    ours = lambda x, w: jnp.sum(layer_matvec(x, w, 1, transposed) * cot)
+    for got, want in zip(jax.grad(ours, (0, 1))(x, w), jax.grad(plain, (0, 1))(x, w)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_keeps_leading_axes_and_the_input_dtype():
     x = jnp.ones((2, 1, 8), jnp.bfloat16)
     w = jnp.full((1, 8, 5), 0.5, jnp.bfloat16)
