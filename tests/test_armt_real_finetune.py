@@ -100,3 +100,21 @@ def test_quick_cli_run_saves_a_memory_only_checkpoint_and_a_cut_run_resumes_to_t
         and again["fixed_batch_loss"] == loss
         and again["final_loss"] == summary["final_loss"]
     )
+
+
+def test_base_lr_scale_scales_the_base_updates_only_and_needs_a_trained_base(tmp_path):
+    import optax
+
+    from jaxlongctx.train.armt_finetune import scale_base_updates
+
+    tx = optax.chain(optax.sgd(1.0), scale_base_updates(0.1))
+    params = ({"w": jnp.ones(3)}, {"m": jnp.ones(2)})
+    grads = ({"w": jnp.full(3, 2.0)}, {"m": jnp.full(2, 2.0)})
+    (base, memory), _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(base["w"], -0.2, rtol=1e-6)
+    np.testing.assert_allclose(memory["m"], -2.0, rtol=1e-6)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="positive"):
+            scale_base_updates(bad)
+    with pytest.raises(ValueError, match="--freeze-base"):
+        prepare_train_armt(_args(*QUICK, "--base-lr-scale", "0.1", "--out", str(tmp_path / "run")))

@@ -170,6 +170,12 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--freeze-base", action="store_true", help="train only the memory parameters")
+    parser.add_argument(
+        "--base-lr-scale",
+        type=float,
+        default=1.0,
+        help="without --freeze-base: the base's learning rate is --lr times this (default 1)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ckpt-every", type=int, default=25)
     parser.add_argument(
@@ -218,6 +224,7 @@ _RUN_SETTINGS = (
     "lm_weight",
     "lr",
     "freeze_base",
+    "base_lr_scale",
     "seed",
     "base_dtype",
     "remat",
@@ -277,6 +284,8 @@ class PreparedRun(NamedTuple):
 
 def prepare_train_armt(args: argparse.Namespace) -> PreparedRun:
     """The model and the `Trainer` of a `train-armt` run (arguments checked; nothing trained yet)."""
+    if args.freeze_base and args.base_lr_scale != 1.0:
+        raise ValueError("--base-lr-scale scales the base's updates; with --freeze-base there are none")
     curriculum = None if args.quick else parse_curriculum(args.curriculum)
     facts = parse_fact_range(str(args.num_facts))
     base_path = resolve_base_argument(args.base) if args.base else None
@@ -319,6 +328,7 @@ def prepare_train_armt(args: argparse.Namespace) -> PreparedRun:
         segmentation,
         chat=args.chat,
         fixed_batch=args.quick,
+        base_lr_scale=args.base_lr_scale,
     )
     armt.segmentation = segmentation  # the accuracy check cuts prompts as training does
     return PreparedRun(trainer, armt, reference, stages, optim, facts)
@@ -358,6 +368,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "split_fraction": args.split_fraction,
         "segmentation": segmentation,
         "freeze_base": args.freeze_base,
+        "base_lr_scale": args.base_lr_scale,
         "num_facts": list(facts),
         "follow_ups": args.follow_ups,
         "resumed": resumed,

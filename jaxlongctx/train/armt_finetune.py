@@ -263,6 +263,19 @@ def memory_in_float32(armt: ARMTModel) -> ARMTModel:
     return armt
 
 
+def scale_base_updates(scale: float) -> optax.GradientTransformation:
+    """Multiply the base's updates (the first of `(base, memory)` params) by `scale`, the memory's not."""
+    if not (np.isfinite(scale) and scale > 0):
+        raise ValueError(f"the base's learning-rate scale must be a positive number, got {scale}")
+
+    def scale_first(updates, params=None):
+        del params
+        base, memory = updates
+        return jax.tree.map(lambda u: u * scale, base), memory
+
+    return optax.stateless(scale_first)
+
+
 def armt_trainer(
     armt: ARMTModel,
     optim: OptimConfig,
@@ -281,13 +294,15 @@ def armt_trainer(
     segmentation: str = "fixed",
     chat: bool = False,
     fixed_batch: bool = False,
+    base_lr_scale: float = 1.0,
 ) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
     params, and the base weights unless `freeze_base`: then the base is neither differentiated nor given
     optimizer state), the samples cut by `segmentation` ("fixed" or "sentences", as
     `ARMTModel.segmentation`). With `chat` the samples are chat haystacks in the model's own tokenizer
     and chat template (else plain ones in the built-in tokenizer); with `fixed_batch` every step
-    trains on the first step's batch."""
+    trains on the first step's batch. Where the base is trained, its updates are scaled by
+    `base_lr_scale` (a pretrained base wants a smaller learning rate than a fresh memory)."""
     tokenizer = armt.tokenizer if chat else load_default_tokenizer()
     frame = chat_frame(tokenizer) if chat else None
     if tokenizer.get_vocab_size() > armt.config.vocab_size:
@@ -329,10 +344,13 @@ def armt_trainer(
         return retrieval_loss(logits, batch, lm_weight)
 
     params, frozen = (memory, base) if freeze_base else ((base, memory), None)
+    optimizer = make_optimizer(optim)
+    if not freeze_base and base_lr_scale != 1.0:
+        optimizer = optax.chain(optimizer, scale_base_updates(base_lr_scale))
     return Trainer(
         loss_fn,
         params,
-        make_optimizer(optim),
+        optimizer,
         batch_fn,
         trainer,
         frozen=frozen,
