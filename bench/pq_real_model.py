@@ -46,22 +46,34 @@ class Setting:
     weighting: str = "none"
     sinks: int = 0
     recent: int = 0
+    bits: int = 8  # PQ code width (8: 256 centroids per subspace)
 
     @property
     def codebook_key(self) -> str:
         """Name of the codebooks this setting uses ("" for none)."""
-        return f"ds{self.ds}_{self.granularity}_{self.weighting}" if self.kind == "pq" else ""
+        if self.kind != "pq":
+            return ""
+        return f"ds{self.ds}_{self.granularity}_{self.weighting}" + (
+            f"_b{self.bits}" if self.bits != 8 else ""
+        )
 
 
-def pq(ds: int, granularity: str, weighting: str = "none", sinks: int = 0, recent: int = 0) -> Setting:
+def pq(
+    ds: int, granularity: str, weighting: str = "none", sinks: int = 0, recent: int = 0, bits: int = 8
+) -> Setting:
     """A PQ setting named after its parts."""
     extras = [
         w
-        for w, on in (("weighted", weighting != "none"), (f"sink{sinks}", sinks), (f"R{recent}", recent))
+        for w, on in (
+            ("weighted", weighting != "none"),
+            (f"sink{sinks}", sinks),
+            (f"R{recent}", recent),
+            (f"{bits}-bit", bits != 8),
+        )
         if on
     ]
     name = " ".join([f"pq ds{ds} {granularity}", *extras])
-    return Setting(name, "pq", ds, granularity, weighting, sinks, recent)
+    return Setting(name, "pq", ds, granularity, weighting, sinks, recent, bits)
 
 
 def ppl_settings(context: int) -> list[Setting]:
@@ -70,7 +82,8 @@ def ppl_settings(context: int) -> list[Setting]:
     best2, best4 = pq(2, "layer", "attention", SINKS, RECENT), pq(4, "layer", "attention", SINKS, RECENT)
     int4r = Setting(f"int4 g128 R{RECENT}", "int4", recent=RECENT)
     int2r = Setting(f"int2 g128 R{RECENT}", "int2", recent=RECENT)
-    rows = [Setting("dense", "dense"), int4r, int2r, best2, pq(2, "layer"), best4, pq(4, "layer")]
+    best4_wide = pq(4, "layer", "attention", SINKS, RECENT, bits=10)  # 2.5 bits per element in its codes
+    rows = [Setting("dense", "dense"), int4r, int2r, best2, pq(2, "layer"), best4, pq(4, "layer"), best4_wide]
     if context > 2048:  # an 8K window costs about 4x a 2K one
         return rows
     return rows + [
@@ -145,7 +158,9 @@ class CodebookStore:
         key = setting.codebook_key
         if key in self._cache:
             return self._cache[key]
-        path = self.folder / f"{key}_t{self.calib_tokens}_i{self.iters}_p{self.ppc}"
+        # wider codes calibrate on proportionally more text: the same vectors per centroid as 8-bit ones
+        tokens = self.calib_tokens * 2 ** max(0, setting.bits - 8)
+        path = self.folder / f"{key}_t{tokens}_i{self.iters}_p{self.ppc}"
         claim = path.with_name(path.name + ".calibrating")  # another run of this bench is making them
         while claim.exists() and not path.is_dir():
             time.sleep(10)
@@ -159,10 +174,10 @@ class CodebookStore:
                 self.model,
                 encode_corpus("calibration", self.model.tokenizer),
                 setting.ds,
-                8,
+                setting.bits,
                 setting.granularity,
                 self.iters,
-                max_tokens=self.calib_tokens,
+                max_tokens=tokens,
                 points_per_centroid=self.ppc,
                 tol=1e-3,
                 weighting=setting.weighting,
@@ -486,7 +501,7 @@ def main(argv: list[str] | None = None) -> dict:
         "calib_tokens": args.calib_tokens,
         "kmeans_iters": args.iters,
         "points_per_centroid": args.points_per_centroid,
-        "bits": 8,
+        "bits": "8 per code unless a row says otherwise (its bits)",
         "kivi_group": GROUP,
         "recent_window": RECENT,
         "sinks": SINKS,

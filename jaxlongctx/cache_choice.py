@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from jaxlongctx.config import ModelConfig
-from jaxlongctx.kvcache.codebooks import Codebooks
+from jaxlongctx.kvcache.codebooks import Codebooks, check_cache_bits
 from jaxlongctx.kvcache.dense import dense_cache_bytes
 from jaxlongctx.kvcache.model_codebooks import load_codebooks_for
 from jaxlongctx.kvcache.pq_cache import DEFAULT_WINDOW, pq_cache_report
@@ -60,6 +60,7 @@ class PQKV:
                 "PQKV needs codebooks (from jaxlongctx.calibrate or jaxlongctx.load_codebooks), "
                 f"got {type(self.codebooks).__name__}"
             )
+        check_cache_bits(self.codebooks.bits)
         object.__setattr__(self, "window", check_positive_int(self.window, "PQKV window"))
         object.__setattr__(self, "keep_prompt_tail_exact", bool(self.keep_prompt_tail_exact))
 

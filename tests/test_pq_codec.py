@@ -78,8 +78,8 @@ def test_decode_gathers_and_fake_quantize_roundtrip(per_head: bool) -> None:
 
 
 def test_codec_rejects_bad_shapes() -> None:
-    with pytest.raises(ValueError, match="uint8"):
-        encode(np.zeros((3, 4)), np.zeros((2, 512, 2)))
+    with pytest.raises(ValueError, match="4096"):
+        encode(np.zeros((3, 4)), np.zeros((2, 8192, 2)))
     with pytest.raises(ValueError, match="last dim"):
         encode(np.zeros((3, 6)), np.zeros((2, 16, 2)))
     with pytest.raises(ValueError, match="K=2"):
@@ -223,8 +223,8 @@ def test_train_codebooks_layouts(
 
 def test_codebooks_reject_bad_arguments(small_kv) -> None:
     keys, values = small_kv
-    with pytest.raises(ValueError, match="uint8"):
-        train_codebooks(keys, values, 2, 9, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="bits must be in"):
+        train_codebooks(keys, values, 2, 13, key=jax.random.key(0))
     with pytest.raises(ValueError, match="ds"):
         train_codebooks(keys, values, 3, 4, key=jax.random.key(0))
     with pytest.raises(ValueError, match="granularity"):
@@ -325,3 +325,36 @@ def test_cache_bytes_arithmetic() -> None:
     per_head = cache_bytes(t, l, kv, d, 4, 8, r, granularity="layer_head")
     assert per_head["codebook_bytes"] == 2 * l * kv * 32 * 256 * 4 * 4
     assert cache_bytes(100, 1, 1, d, 2, 8, r)["codes_bytes"] == 0  # all tokens still in the window
+
+
+def test_wide_codes_are_uint16_nearest_and_roundtrip() -> None:
+    """10-bit codes (1,024 centroids): uint16 codes, the nearest centroid, decode/re-encode stable."""
+    rng = np.random.default_rng(3)
+    cent = rng.normal(size=(2, 1024, 4)).astype(np.float32)  # M=2, C=1024, ds=4 -> D=8
+    x = rng.normal(size=(300, 8)).astype(np.float32)
+    codes = np.asarray(encode(x, cent))
+    assert codes.dtype == np.uint16 and codes.max() >= 256  # codes past one byte are kept
+    _assert_nearest(codes, x, cent)
+    out = np.asarray(decode(codes, cent))
+    np.testing.assert_array_equal(np.asarray(encode(out, cent)), codes)
+
+
+def test_ten_bit_codebooks_train_and_the_pq_cache_refuses_them() -> None:
+    """train_codebooks makes 10-bit codebooks that fit better than 8-bit ones on the same vectors; the
+    cache accounting counts their codes packed; the PQ cache (uint8 codes) refuses them clearly."""
+    from jaxlongctx.cache_choice import PQKV
+
+    rng = np.random.default_rng(5)
+    keys, values = (rng.normal(size=(1, 4096, 1, 8)).astype(np.float32) for _ in range(2))
+    cbs = {
+        bits: train_codebooks(keys, values, 4, bits, "layer", 6, key=jax.random.key(0), progress=False)
+        for bits in (8, 10)
+    }
+    assert cbs[10].stacked()[0].shape == (1, 2, 1024, 4)
+    assert cbs[10].metadata["key_mse"] < 0.8 * cbs[8].metadata["key_mse"]
+    ten = cache_bytes(1000, 1, 1, 8, 4, 10, 0)
+    assert ten["codes_bytes"] == -(-2 * 1000 * 2 * 10 // 8)  # K and V, 2 codes per token, 10 bits each
+    assert cache_bytes(1000, 1, 1, 8, 4, 6, 0)["codes_bytes"] == 2 * 1000 * 2  # a byte per code up to 8 bits
+    with pytest.raises(ValueError, match="8-bit"):
+        PQKV(cbs[10])
+    PQKV(cbs[8])

@@ -28,7 +28,10 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         "--ds", type=int, default=2, help="subspace size (2: 4 bits/element, 4: 2 bits/element)"
     )
     parser.add_argument(
-        "--bits", type=int, default=8, help="bits per code, at most 8 (default 8: 256 centroids)"
+        "--bits",
+        type=int,
+        default=8,
+        help="bits per code, 1-12 (default 8: 256 centroids; the PQ cache takes at most 8, wider codes serve quality evaluation)",
     )
     parser.add_argument("--granularity", choices=GRANULARITIES, default="shared")
     parser.add_argument("--iters", type=int, default=25, help="k-means iterations (default 25)")

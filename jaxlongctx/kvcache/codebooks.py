@@ -17,18 +17,29 @@ from jaxlongctx.output_dir import atomic_directory
 
 Granularity = Literal["shared", "layer", "layer_head"]
 GRANULARITIES: tuple[str, ...] = ("shared", "layer", "layer_head")
-MAX_BITS = 8  # codes are stored as uint8, one per subspace
+MAX_BITS = 12  # the codec's widest codes (uint16 above 8 bits)
+CACHE_MAX_BITS = 8  # the PQ cache and its kernels store one uint8 code per subspace
 FORMAT_VERSION = 1
 _META_FILE = "codebooks.json"
 _ARRAYS_DIR = "arrays"
 
 
 def _check_bits(bits: int) -> None:
-    """Reject code widths that do not fit uint8 codes."""
+    """Reject code widths the codec cannot hold."""
     if not 1 <= bits <= MAX_BITS:
         raise ValueError(
-            f"bits must be in [1, {MAX_BITS}], got {bits}: codes are stored as uint8, so at most "
-            f"2**{MAX_BITS} = 256 centroids per subspace (wider codes are not supported)"
+            f"bits must be in [1, {MAX_BITS}], got {bits}: at most 2**{MAX_BITS} = 4096 centroids per "
+            "subspace (codes of up to 8 bits are uint8, wider ones uint16)"
+        )
+
+
+def check_cache_bits(bits: int) -> None:
+    """Reject codebooks whose codes the PQ cache cannot store (it holds uint8 codes)."""
+    if bits > CACHE_MAX_BITS:
+        raise ValueError(
+            f"these codebooks have {bits}-bit codes; the PQ cache and its decode kernels store 8-bit "
+            f"codes (bits <= {CACHE_MAX_BITS}). Wider codes serve quality evaluation "
+            "(jaxlongctx.kv_quality); calibrate with --bits 8 or fewer to generate"
         )
 
 
@@ -417,10 +428,12 @@ def cache_bytes(
     granularity: Granularity = "shared",
     batch: int = 1,
 ) -> dict[str, int | float]:
-    """Exact bytes of a PQ KV cache (uint8 codes + bf16 window + f32 codebooks) vs a dense bf16 cache.
+    """Exact bytes of a PQ KV cache (codes + bf16 window + f32 codebooks) vs a dense bf16 cache.
 
-    `window` of the num_tokens tokens are held exactly in bf16, the rest as one uint8 code per
-    subspace (a byte per code even when bits < 8). Codebooks are counted once (not per batch row).
+    `window` of the num_tokens tokens are held exactly in bf16, the rest as one code per subspace: a
+    byte per code up to 8 bits (even when bits < 8), as the PQ cache stores them; wider codes (10-12
+    bits, which only the codec and quality evaluation use) are counted packed at their width.
+    Codebooks are counted once (not per batch row).
     """
     for name, value in (("num_tokens", num_tokens), ("window", window)):
         if value < 0:
@@ -434,7 +447,8 @@ def cache_bytes(
     exact = min(window, num_tokens)
     coded = num_tokens - exact
     kv_layers_heads = 2 * num_layers * num_kv_heads * batch  # K and V
-    codes = kv_layers_heads * coded * m
+    code_bits = 8 if bits <= CACHE_MAX_BITS else bits
+    codes = -(-kv_layers_heads * coded * m * code_bits // 8)
     window_bytes = kv_layers_heads * exact * head_dim * 2
     codebook = 2 * int(np.prod(centroid_shape(granularity, num_layers, num_kv_heads, head_dim, ds, bits))) * 4
     total = codes + window_bytes + codebook

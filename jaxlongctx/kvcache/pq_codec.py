@@ -4,7 +4,8 @@ Centroid layouts (one function handles both, chosen by centroids.ndim):
   shared   centroids [M, C, ds]     applied to x[..., D]; codes[..., M]
   per head centroids [K, M, C, ds]  applied to x[..., K, T, D] (kv-head axis is x's axis -3,
                                     sized K); codes[..., K, T, M]
-with D = M * ds and C <= 256 (codes are uint8). Distances are squared L2 in float32.
+with D = M * ds and C <= 4096: codes are uint8 up to 256 centroids (8-bit codes), uint16 above
+(10- to 12-bit codes). Distances are squared L2 in float32.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ import jax.numpy as jnp
 
 # Elements of one [rows, M, C] distance block while encoding; 2**24 float32 = 64 MB.
 DEFAULT_CHUNK_ELEMS = 1 << 24
-MAX_CENTROIDS = 256
+MAX_CENTROIDS = 4096  # 12-bit codes
+
+
+def code_dtype(num_centroids: int) -> jnp.dtype:
+    """The narrowest unsigned integer that holds a code of `num_centroids` centroids (uint8 or uint16)."""
+    return jnp.dtype(jnp.uint8) if num_centroids <= 256 else jnp.dtype(jnp.uint16)
 
 
 def _check(x_shape: tuple[int, ...], centroids: jax.Array, what: str) -> tuple[int, int, int]:
@@ -25,7 +31,7 @@ def _check(x_shape: tuple[int, ...], centroids: jax.Array, what: str) -> tuple[i
         raise ValueError(f"centroids must be [M, C, ds] or [K, M, C, ds], got shape {centroids.shape}")
     m, c, ds = centroids.shape[-3:]
     if c > MAX_CENTROIDS:
-        raise ValueError(f"centroids has C={c} > {MAX_CENTROIDS} per subspace; codes are uint8 (bits <= 8)")
+        raise ValueError(f"centroids has C={c} > {MAX_CENTROIDS} per subspace (codes of at most 12 bits)")
     if centroids.ndim == 4:
         kv = centroids.shape[0]
         if len(x_shape) < 3 or x_shape[-3] != kv:
@@ -36,7 +42,7 @@ def _check(x_shape: tuple[int, ...], centroids: jax.Array, what: str) -> tuple[i
 
 
 def _encode_rows(x: jax.Array, centroids: jax.Array, rows: int) -> jax.Array:
-    """x[N, D] with centroids[M, C, ds] -> codes[N, M] uint8, in blocks of `rows` rows."""
+    """x[N, D] with centroids[M, C, ds] -> codes[N, M] (`code_dtype(C)`), in blocks of `rows` rows."""
     n, _d = x.shape
     m, _c, ds = centroids.shape
     rows = max(1, min(rows, n))  # a short input is not padded up to a whole block
@@ -47,7 +53,7 @@ def _encode_rows(x: jax.Array, centroids: jax.Array, rows: int) -> jax.Array:
     def block(xb):  # [rows, M, ds] -> [rows, M]
         # |x - c|^2 = |x|^2 - 2 x.c + |c|^2; |x|^2 is the same for every c of a subspace.
         dots = jnp.einsum("rmd,mcd->rmc", xb, centroids, precision=jax.lax.Precision.HIGHEST)
-        return jnp.argmin(c_sq - 2.0 * dots, axis=-1).astype(jnp.uint8)
+        return jnp.argmin(c_sq - 2.0 * dots, axis=-1).astype(code_dtype(_c))
 
     return jax.lax.map(block, xs).reshape(steps * rows, m)[:n]
 
@@ -59,7 +65,8 @@ def encode(
     *,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
 ) -> jax.Array:
-    """Nearest centroid per subspace: x[..., D] -> codes[..., M] uint8 (layouts: module docstring).
+    """Nearest centroid per subspace: x[..., D] -> codes[..., M], uint8 or uint16 (`code_dtype`; layouts:
+    module docstring).
 
     `weights` (positive, per channel: [D] with shared centroids, [K, D] with per-head ones) make the
     distance sum_j w_j (x_j - c_j)^2: nearest in the space scaled by sqrt(w), where weighted k-means
