@@ -11,6 +11,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import bench.common
 import jaxlongctx
@@ -150,8 +151,28 @@ def test_training_checkpoint_loads_the_trained_memory(base_dir, tmp_path):
         np.testing.assert_array_equal(np.asarray(getattr(armt.memory, name)[...]), np.asarray(value))
     record = json.loads((step_dir / "trainer.json").read_text())
     (step_dir / "trainer.json").write_text(json.dumps({**record, "hyperparams": {}}))
-    with pytest.raises(ValueError, match="also trained the base"):
+    with pytest.raises(ValueError, match="hyperparams lack"):
         load_training_checkpoint(step_dir)
+
+
+def test_training_checkpoint_of_a_run_that_trained_the_base_loads_base_and_memory(base_dir, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_train_armt_arguments(parser)
+    words = ["--base", str(base_dir), "--out", str(tmp_path / "run"), "--quick", "--chat"]
+    words += ["--mem-tokens", "4", "--d-mem", "8", "--base-dtype", "fp32", "--no-progress"]
+    trainer = prepare_train_armt(parser.parse_args(words)).trainer
+    leaves, tree = jax.tree.flatten(trainer.params)  # (base, memory), as trained
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    trainer.params = jax.tree.unflatten(
+        tree, [x + 0.01 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    )
+    armt = load_training_checkpoint(trainer.save_checkpoint(), "fp32")
+    base, memory = trainer.params
+    loaded_base = nnx.to_pure_dict(armt.params[0])
+    for got, want in zip(jax.tree.leaves(loaded_base), jax.tree.leaves(base), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for name, value in memory.items():
+        np.testing.assert_array_equal(np.asarray(getattr(armt.memory, name)[...]), np.asarray(value))
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """An `ARMTModel` from a `train-armt` training checkpoint (`<run>/checkpoints/step_*`, written by
-`Trainer.save_checkpoint`) of a run with a frozen base (`--freeze-base`): its trained parameters are the
-memory's. The base is the one the run started from (`--base`, or `--init`'s model), the ARMT sizes and
-segmentation are the run's (`trainer.json`), the memory parameters are read from the saved state
-(the optimizer state is not read)."""
+`Trainer.save_checkpoint`), so that a run can be scored while it trains. The model is built from the
+one the run started from (`--base`, or `--init`'s model) with the run's ARMT sizes and segmentation
+(`trainer.json`); the trained parameters are read from the saved state (the optimizer state is not
+read): the memory's for a run with a frozen base (`--freeze-base`), else the base's and the memory's."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -20,6 +21,7 @@ from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.checkpoint import CheckpointError
 from jaxlongctx.loading import load
 from jaxlongctx.train.armt_finetune import memory_in_float32
+from jaxlongctx.train.trainer import load_into
 
 TRAINER_RECORD = "trainer.json"
 
@@ -40,16 +42,12 @@ def training_record(path: str | Path) -> dict[str, Any]:
 
 
 def load_training_checkpoint(path: str | Path, base_dtype: Any = None) -> ARMTModel:
-    """The ARMT model of a memory-only training checkpoint at `path`: the run's base in `base_dtype`
-    ('bf16' | 'fp32' | None = as stored), the memory parameters as trained (float32)."""
+    """The ARMT model of the training checkpoint at `path`: the base in `base_dtype` ('bf16' | 'fp32' |
+    None = as stored; as the run left it where it trained the base), the memory parameters as trained
+    (float32)."""
     path = Path(path).absolute()
     record = training_record(path)
     settings = record.get("hyperparams", {})
-    if not settings.get("freeze_base"):
-        raise CheckpointError(
-            f"{path}: a run that also trained the base weights (no --freeze-base); load the model its "
-            "--save wrote instead"
-        )
     missing = [k for k in ("armt_config", "segmentation") if k not in settings]
     if missing or not (settings.get("base") or settings.get("init")):
         raise CheckpointError(f"{path / TRAINER_RECORD}: hyperparams lack {missing or ['base/init']}")
@@ -61,9 +59,13 @@ def load_training_checkpoint(path: str | Path, base_dtype: Any = None) -> ARMTMo
         base = load(resolve_base_argument(settings["base"]), base_dtype)
         armt = ARMTModel.wrap(base, ARMTConfig.from_dict(settings["armt_config"]), jax.random.key(0))
     armt = memory_in_float32(armt)
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(nnx.state(armt.memory))
-    )
+    trained_base = not settings.get("freeze_base")
+    base_params, memory_params = (nnx.to_pure_dict(p) for p in armt.params)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), memory_params)
+    if trained_base:  # the run's params are (base, memory), the base as the run held it (--base-dtype)
+        stored = jnp.bfloat16 if settings.get("base_dtype") == "bf16" else jnp.float32
+        base = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, stored), base_params)
+        target = (base, target)
     try:
         with ocp.PyTreeCheckpointer() as ckptr:
             restored = ckptr.restore(
@@ -78,6 +80,11 @@ def load_training_checkpoint(path: str | Path, base_dtype: Any = None) -> ARMTMo
         raise CheckpointError(
             f"{path}: cannot read the memory parameters ({type(e).__name__}: {e})"
         ) from None
-    armt.set_memory_params(**restored["params"])
+    params = restored["params"]
+    if trained_base:
+        base, params = params
+        dtype = armt.base.dtype
+        load_into(armt.base.module, jax.tree.map(lambda x: jnp.asarray(x, dtype), base))
+    armt.set_memory_params(**params)
     armt.segmentation = settings["segmentation"]
     return armt
