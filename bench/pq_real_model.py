@@ -47,21 +47,28 @@ class Setting:
     sinks: int = 0
     recent: int = 0
     bits: int = 8  # PQ code width (8: 256 centroids per subspace)
+    calib_window: int = 512  # tokens per calibration window (post-RoPE keys are seen up to this position)
 
     @property
     def codebook_key(self) -> str:
         """Name of the codebooks this setting uses ("" for none)."""
         if self.kind != "pq":
             return ""
-        return f"ds{self.ds}_{self.granularity}_{self.weighting}" + (
-            f"_b{self.bits}" if self.bits != 8 else ""
-        )
+        wide = f"_b{self.bits}" if self.bits != 8 else ""
+        window = f"_w{self.calib_window}" if self.calib_window != 512 else ""
+        return f"ds{self.ds}_{self.granularity}_{self.weighting}{wide}{window}"
 
 
 def pq(
-    ds: int, granularity: str, weighting: str = "none", sinks: int = 0, recent: int = 0, bits: int = 8
+    ds: int,
+    granularity: str,
+    weighting: str = "none",
+    sinks: int = 0,
+    recent: int = 0,
+    bits: int = 8,
+    calib_window: int = 512,
 ) -> Setting:
-    """A PQ setting named after its parts."""
+    """A PQ setting named after its parts ("cal8K": codebooks from 8,192-token calibration windows)."""
     extras = [
         w
         for w, on in (
@@ -69,11 +76,15 @@ def pq(
             (f"sink{sinks}", sinks),
             (f"R{recent}", recent),
             (f"{bits}-bit", bits != 8),
+            (
+                f"cal{calib_window // 1024}K" if calib_window % 1024 == 0 else f"cal{calib_window}",
+                calib_window != 512,
+            ),
         )
         if on
     ]
     name = " ".join([f"pq ds{ds} {granularity}", *extras])
-    return Setting(name, "pq", ds, granularity, weighting, sinks, recent, bits)
+    return Setting(name, "pq", ds, granularity, weighting, sinks, recent, bits, calib_window)
 
 
 def ppl_settings(context: int) -> list[Setting]:
@@ -82,8 +93,23 @@ def ppl_settings(context: int) -> list[Setting]:
     best2, best4 = pq(2, "layer", "attention", SINKS, RECENT), pq(4, "layer", "attention", SINKS, RECENT)
     int4r = Setting(f"int4 g128 R{RECENT}", "int4", recent=RECENT)
     int2r = Setting(f"int2 g128 R{RECENT}", "int2", recent=RECENT)
-    best4_wide = pq(4, "layer", "attention", SINKS, RECENT, bits=10)  # 2.5 bits per element in its codes
-    rows = [Setting("dense", "dense"), int4r, int2r, best2, pq(2, "layer"), best4, pq(4, "layer"), best4_wide]
+    # codebooks calibrated on windows as long as the evaluated one: keys are quantized after RoPE, and
+    # 512-token windows never show the k-means a key rotated past position 512
+    w = context
+    rows = [
+        Setting("dense", "dense"),
+        int4r,
+        int2r,
+        pq(2, "layer", "attention", SINKS, RECENT, calib_window=w),
+        pq(4, "layer", "attention", SINKS, RECENT, calib_window=w),
+        pq(4, "layer", "attention", SINKS, RECENT, bits=10, calib_window=w),  # 2.5 bits/element of codes
+        pq(2, "layer", calib_window=w),
+        pq(4, "layer", calib_window=w),
+        best2,  # 512-token calibration windows, as the first runs
+        pq(2, "layer"),
+        best4,
+        pq(4, "layer"),
+    ]
     if context > 2048:  # an 8K window costs about 4x a 2K one
         return rows
     return rows + [
@@ -158,8 +184,9 @@ class CodebookStore:
         key = setting.codebook_key
         if key in self._cache:
             return self._cache[key]
-        # wider codes calibrate on proportionally more text: the same vectors per centroid as 8-bit ones
-        tokens = self.calib_tokens * 2 ** max(0, setting.bits - 8)
+        # wider codes calibrate on proportionally more text (the same vectors per centroid as 8-bit
+        # ones), and on at least one calibration window
+        tokens = max(self.calib_tokens * 2 ** max(0, setting.bits - 8), setting.calib_window)
         path = self.folder / f"{key}_t{tokens}_i{self.iters}_p{self.ppc}"
         claim = path.with_name(path.name + ".calibrating")  # another run of this bench is making them
         while claim.exists() and not path.is_dir():
@@ -177,6 +204,7 @@ class CodebookStore:
                 setting.bits,
                 setting.granularity,
                 self.iters,
+                seq_len=setting.calib_window,
                 max_tokens=tokens,
                 points_per_centroid=self.ppc,
                 tol=1e-3,

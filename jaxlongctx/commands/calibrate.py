@@ -35,7 +35,13 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--granularity", choices=GRANULARITIES, default="shared")
     parser.add_argument("--iters", type=int, default=25, help="k-means iterations (default 25)")
-    parser.add_argument("--seq-len", type=int, default=512, help="calibration window length (default 512)")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=512,
+        help="calibration window length (default 512); keys are stored after RoPE, so codebooks fit "
+        "best up to this position: make it the context the cache will hold",
+    )
     parser.add_argument(
         "--max-tokens", type=int, default=16384, help="calibration tokens used (default 16384)"
     )
