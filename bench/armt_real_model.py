@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         help="prompt segments per schedule call (bounds the dropped logits; default %(default)s)",
     )
     p.add_argument("--quick", action="store_true", help=f"a small run: {QUICK}, written to _quick files")
+    p.add_argument(
+        "--name", default=NAME, help=f"result files bench/results/<name>.{{json,png}} (default {NAME})"
+    )
     args = p.parse_args(argv)
     use_quick_results(args.quick)
     if args.quick:
@@ -118,7 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     check_lengths = check_lengths or [n for n in lengths if n <= native]
     print_estimate(armt, lengths, args.samples, check_lengths, args.sequential_samples)
     result = run(armt, lengths, args.samples, check_lengths, args.sequential_samples, args.chunk_segments)
-    write_results({**result, "model": model_info, "base_dtype": args.base_dtype, "quick": args.quick})
+    write_results(
+        {**result, "model": model_info, "base_dtype": args.base_dtype, "quick": args.quick}, args.name
+    )
 
 
 def _lengths(text: str, name: str) -> list[int]:
@@ -281,9 +286,10 @@ def schedule_check(
     return out
 
 
-def write_results(result: dict[str, Any]) -> None:
-    """The JSON and the plot (exact match and digit accuracy against length, chance, native context)."""
-    write_result(NAME, {**result, "plot": f"{NAME}.png"})
+def write_results(result: dict[str, Any], result_name: str = NAME) -> None:
+    """The JSON and the plot (exact match and digit accuracy against length, chance, native context)
+    as `bench/results/<result_name>.*`."""
+    write_result(result_name, {**result, "plot": f"{result_name}.png"})
     native, chance = result["settings"]["native_context"], result["chance"]
     fig, axes = subplots(1, 2, figsize=(12, 4.5))
     labels = {
@@ -320,7 +326,7 @@ def write_results(result: dict[str, Any]) -> None:
     fig.suptitle(
         f"chat haystack, one fact: exact match of the 4-digit code ({kind}{', quick' if result['quick'] else ''})"
     )
-    save_plot(fig, plot_path(NAME), dpi=110)
+    save_plot(fig, plot_path(result_name), dpi=110)
 
 
 if __name__ == "__main__":

@@ -227,3 +227,8 @@ def test_bench_writes_json_and_plot_and_quick_writes_only_quick_files(armt, tmp_
         "armt_real_model_quick.json",
         "armt_real_model_quick.png",
     ]
+    for f in tmp_path.iterdir():
+        f.unlink()
+    monkeypatch.setattr(bench.common, "_QUICK", False)  # --name: another checkpoint's files beside these
+    armt_real_model.write_results({**result, "model": info, "base_dtype": "fp32", "quick": False}, "run3")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["run3.json", "run3.png"]
