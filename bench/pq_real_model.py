@@ -126,14 +126,17 @@ def ppl_settings(context: int) -> list[Setting]:
     ]
 
 
-def retrieval_settings() -> list[Setting]:
+def retrieval_settings(context: int) -> list[Setting]:
     """Dense, 4-bit PQ with every prompt token quantized and with the exact tokens of the perplexity
-    table's best setting (layer_head left out: its calibration is the slowest), and the int4 baseline
-    with and without the recent window; the decoded tokens are exact in every cache."""
+    table's best setting (layer_head left out: its calibration is the slowest), each with codebooks
+    from 512-token and from `context`-token calibration windows, and the int4 baseline with and without
+    the recent window; the decoded tokens are exact in every cache."""
     return [
         Setting("dense", "dense"),
         pq(2, "layer"),
         pq(2, "layer", "attention", SINKS, RECENT),
+        pq(2, "layer", calib_window=context),
+        pq(2, "layer", "attention", SINKS, RECENT, calib_window=context),
         Setting("int4 g128", "int4"),
         Setting(f"int4 g128 R{RECENT}", "int4", recent=RECENT),
     ]
@@ -295,7 +298,7 @@ def run_retrieval(model: Any, store: CodebookStore, args: argparse.Namespace, co
     items = retrieval_set(
         model.tokenizer, args.samples, args.retrieval_context, num_facts=args.retrieval_facts
     )[index::count]
-    settings = retrieval_settings()
+    settings = retrieval_settings(args.retrieval_context)
     transforms: dict[str, Any] = {}  # made at first use, so the first prefill need not wait for codebooks
     bits: dict[str, float] = {}
     payload: dict[str, Any] = {
@@ -538,7 +541,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     out = {}
     if args.part == "calibrate":
-        for setting in {s.codebook_key: s for s in ppl_settings(2048) + retrieval_settings()}.values():
+        for setting in {
+            s.codebook_key: s for s in ppl_settings(2048) + retrieval_settings(args.retrieval_context)
+        }.values():
             if setting.kind == "pq" and setting.ds in args.ds and setting.weighting in args.weightings:
                 store.get(setting)
     if args.part in ("ppl", "all"):
