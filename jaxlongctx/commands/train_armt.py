@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from jaxlongctx.armt.base_reference import SMOLLM2_NAME, BaseReference, describe_base, resolve_base_argument
 from jaxlongctx.armt.config import ARMTConfig
@@ -22,7 +21,7 @@ from jaxlongctx.armt.sentences import SEGMENTATIONS
 from jaxlongctx.cli_options import add_model_argument
 from jaxlongctx.data.corpus import SPLITS
 from jaxlongctx.data.haystack import FILLER_SPLIT
-from jaxlongctx.loading import load
+from jaxlongctx.loading import load, parse_dtype
 from jaxlongctx.output_dir import check_output
 from jaxlongctx.train.armt_finetune import (
     DEFAULT_CURRICULUM,
@@ -417,7 +416,7 @@ def _save(
     if reference is not None:
         armt.save(args.save, overwrite=args.overwrite, base_reference=reference, training_record=record)
         return
-    dtype = jnp.bfloat16 if args.save_dtype == "bf16" else jnp.float32
+    dtype = parse_dtype(args.save_dtype)
     cast = jax.tree.map(lambda x: x.astype(dtype), (base_state, memory))
     saved = (
         load(args.init, args.save_dtype)

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxlongctx.checkpoint import save_model
 from jaxlongctx.data.tokenizer import TOKENIZER_PATH, encode_corpus
+from jaxlongctx.loading import parse_dtype
 from jaxlongctx.model.model import Model
 from jaxlongctx.output_dir import check_output
 from jaxlongctx.train.evaluate import perplexity, unigram_baseline
@@ -119,7 +119,7 @@ def run_train_lm(args: argparse.Namespace) -> dict[str, Any]:
         "params": int(sum(x.size for x in jax.tree.leaves(trainer.params))),
     }
     if args.save:
-        dtype = jnp.bfloat16 if args.save_dtype == "bf16" else jnp.float32
+        dtype = parse_dtype(args.save_dtype)
         params = jax.tree.map(lambda x: x.astype(dtype), trainer.params)
         cast = load_into(Model.init(config, dtype=dtype).module, params)
         save_model(cast, args.save, overwrite=args.overwrite, tokenizer_file=TOKENIZER_PATH)

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlongctx.kvcache.kmeans import Init, kmeans
+from jaxlongctx.kvcache.pq_codec import MAX_CENTROIDS
 from jaxlongctx.output_dir import atomic_directory
 
 Granularity = Literal["shared", "layer", "layer_head"]
 GRANULARITIES: tuple[str, ...] = ("shared", "layer", "layer_head")
-MAX_BITS = 12  # the codec's widest codes (uint16 above 8 bits)
+MAX_BITS = MAX_CENTROIDS.bit_length() - 1  # the codec's widest codes (12 bits; uint16 above 8)
 CACHE_MAX_BITS = 8  # the PQ cache and its kernels store one uint8 code per subspace
 FORMAT_VERSION = 1
 _META_FILE = "codebooks.json"

@@ -19,7 +19,7 @@ from jaxlongctx.armt.base_reference import resolve_base_argument
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.checkpoint import CheckpointError
-from jaxlongctx.loading import load
+from jaxlongctx.loading import load, parse_dtype
 from jaxlongctx.train.armt_finetune import memory_in_float32
 from jaxlongctx.train.trainer import load_into
 
@@ -63,7 +63,7 @@ def load_training_checkpoint(path: str | Path, base_dtype: Any = None) -> ARMTMo
     base_params, memory_params = (nnx.to_pure_dict(p) for p in armt.params)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), memory_params)
     if trained_base:  # the run's params are (base, memory), the base as the run held it (--base-dtype)
-        stored = jnp.bfloat16 if settings.get("base_dtype") == "bf16" else jnp.float32
+        stored = parse_dtype(settings.get("base_dtype", "fp32"))
         base = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, stored), base_params)
         target = (base, target)
     try:
