@@ -33,6 +33,25 @@ def result_name(name: str) -> str:
     return f"{name}_quick" if _QUICK and not name.endswith("_quick") else name
 
 
+# instruction-set extensions that change which CPU kernels are fast (bf16 dot products, matrix tiles)
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_model() -> dict[str, Any]:
+    """The CPU's model name and which of CPU_FEATURES it has (from /proc/cpuinfo; empty elsewhere)."""
+    name, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not name:
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": name or platform.processor(), "cpu_features": [f for f in CPU_FEATURES if f in flags]}
+
+
 def environment() -> dict[str, Any]:
     """Describe the machine and library versions a result was measured on."""
     import flax
@@ -43,6 +62,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        **cpu_model(),
         "jax": jax.__version__,
         "flax": flax.__version__,
         "numpy": np.__version__,

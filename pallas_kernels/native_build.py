@@ -52,6 +52,7 @@ def build(source: Path, compiler: str) -> Path:
         b"\0".join(
             [
                 source.read_bytes(),
+                *(header.read_bytes() for header in sorted(source.parent.glob("*.h"))),
                 jaxlib.__version__.encode(),
                 _cpu_fingerprint().encode(),
                 " ".join(FLAGS).encode(),

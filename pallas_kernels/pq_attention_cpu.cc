@@ -31,6 +31,7 @@ namespace {
 typedef float v4 __attribute__((vector_size(16)));
 constexpr int64_t kLanes = 4;   // query heads per lookup-table entry
 constexpr int64_t kChunk = 256;  // tokens scored before their weights go into the histogram
+constexpr int64_t kGroup = 4;    // subspaces whose table rows (and histogram rows) are walked together
 // A histogram row (one subspace, C x 4 floats) is padded by a cache line: unpadded rows are exactly
 // 4 KiB apart for C = 256, and a store to one row stalls loads from the next (4K aliasing).
 constexpr int64_t kRowPad = 16;
@@ -60,38 +61,49 @@ struct Problem {
   int64_t batch, kv_heads, blocks, subspaces, centroids, capacity, cent_heads, sub_dim, splits;
 };
 
-// Scores of tokens [t0, t0 + n) against one block's lookup table: two tokens and two subspaces at
-// a time, so four independent add chains hide the load-to-add latency.
+// Scores of tokens [t0, t0 + n) against one block's lookup table, kGroup subspaces at a time: the
+// table rows of a group (kGroup x C x 4 floats) stay in L1 while every token of the chunk adds its
+// group's entries to its score. Tokens are independent, so their loads and adds overlap.
 void chunk_scores(const float* lut, const uint8_t* codes, int64_t n, int64_t subspaces, int64_t centroids,
                   float* scores) {
   const int64_t row = centroids * kLanes;
-  int64_t i = 0;
-  for (; i + 1 < n; i += 2) {
-    const uint8_t* r0 = codes + i * subspaces;
-    const uint8_t* r1 = r0 + subspaces;
-    v4 a0 = {0, 0, 0, 0}, b0 = a0, a1 = a0, b1 = a0;
-    int64_t m = 0;
-    for (; m + 1 < subspaces; m += 2) {
-      const float* t0 = lut + m * row;
-      const float* t1 = t0 + row;
-      a0 += load4(t0 + r0[m] * kLanes);
-      a1 += load4(t0 + r1[m] * kLanes);
-      b0 += load4(t1 + r0[m + 1] * kLanes);
-      b1 += load4(t1 + r1[m + 1] * kLanes);
+  std::fill(scores, scores + n * kLanes, 0.0f);
+  int64_t m = 0;
+  for (; m + kGroup <= subspaces; m += kGroup) {
+    const float* t = lut + m * row;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t* r = codes + i * subspaces + m;
+      const v4 a = load4(t + r[0] * kLanes) + load4(t + row + r[1] * kLanes);
+      const v4 c = load4(t + 2 * row + r[2] * kLanes) + load4(t + 3 * row + r[3] * kLanes);
+      store4(scores + i * kLanes, load4(scores + i * kLanes) + (a + c));
     }
-    if (m < subspaces) {
-      a0 += load4(lut + m * row + r0[m] * kLanes);
-      a1 += load4(lut + m * row + r1[m] * kLanes);
+  }
+  for (; m < subspaces; ++m)
+    for (int64_t i = 0; i < n; ++i)
+      store4(scores + i * kLanes, load4(scores + i * kLanes) + load4(lut + m * row + codes[i * subspaces + m] * kLanes));
+}
+
+// bins[m, v_code[t, m]] += weights[t] for tokens [t0, t0 + n), kGroup subspaces at a time (their
+// histogram rows stay in L1 while the chunk's tokens are added).
+void chunk_histogram(const float* weights, const uint8_t* codes, int64_t n, int64_t subspaces, int64_t row,
+                     float* hist) {
+  int64_t m = 0;
+  for (; m + kGroup <= subspaces; m += kGroup) {
+    float* h = hist + m * row;
+    for (int64_t i = 0; i < n; ++i) {
+      const v4 w = load4(weights + i * kLanes);
+      const uint8_t* r = codes + i * subspaces + m;
+      for (int64_t u = 0; u < kGroup; ++u) {
+        float* bin = h + u * row + r[u] * kLanes;
+        store4(bin, load4(bin) + w);
+      }
     }
-    store4(scores + i * kLanes, a0 + b0);
-    store4(scores + (i + 1) * kLanes, a1 + b1);
   }
-  if (i < n) {
-    const uint8_t* r0 = codes + i * subspaces;
-    v4 a0 = {0, 0, 0, 0};
-    for (int64_t m = 0; m < subspaces; ++m) a0 += load4(lut + m * row + r0[m] * kLanes);
-    store4(scores + i * kLanes, a0);
-  }
+  for (; m < subspaces; ++m)
+    for (int64_t i = 0; i < n; ++i) {
+      float* bin = hist + m * row + codes[i * subspaces + m] * kLanes;
+      store4(bin, load4(bin) + load4(weights + i * kLanes));
+    }
 }
 
 // One task: tokens [lo, hi) of row b, kv head k, query-head block nb -> out [4 D], lse [4].
@@ -128,26 +140,8 @@ void run_task(const Problem& p, int64_t task, std::vector<float>& bins, std::vec
     }
     run_max = peak;
     for (int64_t i = 0; i < n; ++i) store4(scores + i * kLanes, exp4(load4(scores + i * kLanes) - peak));
-    const uint8_t* codes = p.v_codes + code_base + t0 * M;
-    float* hist = bins.data();
-    for (int64_t i = 0; i < n; ++i) {
-      const v4 w = load4(scores + i * kLanes);
-      run_sum += w;
-      const uint8_t* r = codes + i * M;
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) {
-        uint64_t packed;
-        std::memcpy(&packed, r + m, 8);
-        for (int64_t u = 0; u < 8; ++u) {
-          float* bin = hist + (m + u) * row + ((packed >> (8 * u)) & 255) * kLanes;
-          store4(bin, load4(bin) + w);
-        }
-      }
-      for (; m < M; ++m) {
-        float* bin = hist + m * row + r[m] * kLanes;
-        store4(bin, load4(bin) + w);
-      }
-    }
+    for (int64_t i = 0; i < n; ++i) run_sum += load4(scores + i * kLanes);
+    chunk_histogram(scores, p.v_codes + code_base + t0 * M, n, M, row, bins.data());
   }
   for (int64_t g = 0; g < kLanes; ++g) {
     const bool seen = run_sum[g] > 0.0f;
