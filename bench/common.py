@@ -13,6 +13,8 @@ from typing import Any
 
 import jax
 
+from pallas_kernels.native_build import cpuinfo
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # JAXLONGCTX_BENCH_RESULTS redirects every result elsewhere (bench/device_run.py gives each step its own folder).
 RESULTS_DIR = Path(os.environ.get("JAXLONGCTX_BENCH_RESULTS") or REPO_ROOT / "bench" / "results")
@@ -39,17 +41,11 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 def cpu_model() -> dict[str, Any]:
     """The CPU's model name and which of CPU_FEATURES it has (from /proc/cpuinfo; empty elsewhere)."""
-    name, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not name:
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return {"cpu": name or platform.processor(), "cpu_features": [f for f in CPU_FEATURES if f in flags]}
+    flags = set(cpuinfo("flags").split())
+    return {
+        "cpu": cpuinfo("model name") or platform.processor(),
+        "cpu_features": [f for f in CPU_FEATURES if f in flags],
+    }
 
 
 def environment() -> dict[str, Any]:

@@ -26,17 +26,21 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c
 _LOADED: list[ctypes.CDLL] = []  # built libraries, kept mapped for the life of the process
 
 
-def _cpu_fingerprint() -> str:
-    """The machine and its instruction-set flags (libraries are built with -march=native)."""
-    flags = ""
+def cpuinfo(*keys: str) -> str:
+    """The value of the first `/proc/cpuinfo` line named by one of `keys` ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
+            key, _, value = line.partition(":")
+            if key.strip() in keys:
+                return value.strip()
     except OSError:
         pass
-    return f"{platform.machine()} {flags}"
+    return ""
+
+
+def _cpu_fingerprint() -> str:
+    """The machine and its instruction-set flags (libraries are built with -march=native)."""
+    return f"{platform.machine()} {cpuinfo('flags', 'Features')}"
 
 
 def cache_dir() -> Path:

@@ -32,6 +32,7 @@ typedef float v4 __attribute__((vector_size(16)));
 constexpr int64_t kLanes = 4;   // query heads per lookup-table entry
 constexpr int64_t kChunk = 256;  // tokens scored before their weights go into the histogram
 constexpr int64_t kGroup = 4;    // subspaces whose table rows (and histogram rows) are walked together
+static_assert(kGroup == 4, "chunk_scores adds a group's four table entries as two pairs");
 // A histogram row (one subspace, C x 4 floats) is padded by a cache line: unpadded rows are exactly
 // 4 KiB apart for C = 256, and a store to one row stalls loads from the next (4K aliasing).
 constexpr int64_t kRowPad = 16;
@@ -139,8 +140,11 @@ void run_task(const Problem& p, int64_t task, std::vector<float>& bins, std::vec
       for (size_t e = 0; e < bins.size(); e += kLanes) store4(bins.data() + e, load4(bins.data() + e) * factor);
     }
     run_max = peak;
-    for (int64_t i = 0; i < n; ++i) store4(scores + i * kLanes, exp4(load4(scores + i * kLanes) - peak));
-    for (int64_t i = 0; i < n; ++i) run_sum += load4(scores + i * kLanes);
+    for (int64_t i = 0; i < n; ++i) {  // scores -> weights, summed
+      const v4 w = exp4(load4(scores + i * kLanes) - peak);
+      store4(scores + i * kLanes, w);
+      run_sum += w;
+    }
     chunk_histogram(scores, p.v_codes + code_base + t0 * M, n, M, row, bins.data());
   }
   for (int64_t g = 0; g < kLanes; ++g) {
