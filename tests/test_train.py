@@ -168,6 +168,15 @@ def test_armt_curriculum_and_answer_positions():
         assert np.flatnonzero((windows == answer).all(axis=1))[0] < n / 4
     with pytest.raises(ValueError, match="far_fraction"):
         haystack_batch(0, 1, 256, load_default_tokenizer(), 128, num_facts=1, far_fraction=-0.1)
+    near = haystack_batch(0, 16, 1024, load_default_tokenizer(), 128, num_facts=1, near_fraction=1.0)
+    starts = []
+    for ids, answer, n in zip(near["ids"], near["answer_ids"], near["lengths"]):
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:n], CODE_DIGITS)
+        starts.append(np.flatnonzero((windows == answer).all(axis=1))[0])
+    # the code just before the first boundary (facts sit at sentence ends, so a few land past it)
+    assert np.mean(np.array(starts) < 128) >= 0.75 and np.median(starts) > 128 * 0.6
+    with pytest.raises(ValueError, match="near_fraction"):
+        haystack_batch(0, 1, 256, load_default_tokenizer(), 128, num_facts=1, near_fraction=2.0)
     train = encode_corpus("train")  # training filler is train-split text unless told otherwise
     val = haystack_batch(
         0, 2, 1024, load_default_tokenizer(), 128, num_facts=1, far_fraction=1.0, filler_split="validation"

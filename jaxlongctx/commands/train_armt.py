@@ -127,6 +127,13 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
         "must keep it across almost the whole sample (default 0: uniform depth)",
     )
     parser.add_argument(
+        "--near-fraction",
+        type=float,
+        default=0.0,
+        help="share of the other samples whose asked fact ends in the last quarter of the first "
+        "segment, just before its boundary: the easiest fact to carry, for a first stage (default 0)",
+    )
+    parser.add_argument(
         "--shared-word-fraction",
         type=float,
         default=0.0,
@@ -216,6 +223,7 @@ _RUN_SETTINGS = (
     "num_facts",
     "boundary_fraction",
     "far_fraction",
+    "near_fraction",
     "shared_word_fraction",
     "split_fraction",
     "follow_ups",
@@ -328,6 +336,7 @@ def prepare_train_armt(args: argparse.Namespace) -> PreparedRun:
         chat=args.chat,
         fixed_batch=args.quick,
         base_lr_scale=args.base_lr_scale,
+        near_fraction=args.near_fraction,
     )
     armt.segmentation = segmentation  # the accuracy check cuts prompts as training does
     return PreparedRun(trainer, armt, reference, stages, optim, facts)
@@ -362,6 +371,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "lm_weight": args.lm_weight,
         "boundary_fraction": args.boundary_fraction,
         "far_fraction": args.far_fraction,
+        "near_fraction": args.near_fraction,
         "shared_word_fraction": args.shared_word_fraction,
         "filler_split": args.filler_split,
         "split_fraction": args.split_fraction,

@@ -45,6 +45,7 @@ QUICK_STEPS, QUICK_SEGMENTS, QUICK_SEGMENT_SIZE = 2, 2, 64  # --quick: steps on 
 # training filler comes from the train split, so that the validation split's text (evaluation filler)
 # is new to the memory, as a user's document is
 TRAIN_FILLER_SPLIT = "train"
+NEAR_FACT_ROOM = 16  # tokens kept free for a fact ("The code of the blue box is 4711.") before a boundary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,7 @@ def haystack_batch(
     split_fraction: float = 0.0,
     segmenter: SentenceSegmenter | None = None,
     chat: ChatFrame | None = None,
+    near_fraction: float = 0.0,
 ) -> dict[str, np.ndarray]:
     """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
     the supervised answer digits, with `T = total_tokens`.
@@ -103,7 +105,9 @@ def haystack_batch(
     only the memory. (Decoding keeps the prompt's last segment open, so it meets this case only when
     an answer outgrows that window.) About `far_fraction` of the samples
     put the asked fact in the first fifth of the filler, so that the memory must carry it across
-    nearly every segment of the sample (otherwise its depth is uniform). About `shared_word_fraction`
+    nearly every segment of the sample (otherwise its depth is uniform). About `near_fraction` of the
+    other samples put it in the last quarter of the first segment, just before the first boundary:
+    the easiest fact the memory has to carry (one write, one boundary). About `shared_word_fraction`
     of the samples are near misses: every other fact's subject shares the asked subject's colour or
     object (otherwise subjects are random). `num_facts` is a count, or a range `(lo, hi)` from which
     each sample draws its own count uniformly. The filler comes from the corpus split `filler_split`.
@@ -134,6 +138,7 @@ def haystack_batch(
     for name, value in (
         ("boundary_fraction", boundary_fraction),
         ("far_fraction", far_fraction),
+        ("near_fraction", near_fraction),
         ("shared_word_fraction", shared_word_fraction),
         ("split_fraction", split_fraction),
     ):
@@ -155,6 +160,8 @@ def haystack_batch(
         end = int(rng.integers(shortest, total_tokens + 1))
         boundary = bool(boundary_fraction) and rng.random() < boundary_fraction
         depth = float(rng.uniform(0.0, 0.2)) if far_fraction and rng.random() < far_fraction else None
+        near = depth is None and bool(near_fraction) and rng.random() < near_fraction
+        near_room = int(rng.integers(0, segment_size // 4 + 1)) if near else 0  # filler after the fact
         facts = lo if lo == hi else int(rng.integers(lo, hi + 1))
         shared = bool(shared_word_fraction) and rng.random() < shared_word_fraction
         make = functools.partial(
@@ -180,7 +187,14 @@ def haystack_batch(
         whole = (total_tokens - tail - extra) // segment_size * segment_size  # longest whole-segment prompt
         if boundary and whole >= max(fixed, segment_size):
             prompt = whole
-        sample = longest if prompt == longest.ids.size else make(np.random.default_rng([seed, i]), prompt)
+        if near:  # the asked fact's start, as a share of this prompt's filler
+            before = segment_size - (0 if chat is None else chat.head.size - 1) - NEAR_FACT_ROOM - near_room
+            depth = min(max(before - 1, 0) / max(prompt - fixed, 1), 1.0)
+            sample = make(np.random.default_rng([seed, i]), prompt, target_depth=depth)
+        elif prompt == longest.ids.size:
+            sample = longest
+        else:
+            sample = make(np.random.default_rng([seed, i]), prompt)
         if split_fraction and rng.random() < split_fraction:
             offset = int(rng.integers(-TOKENS_BEFORE_CODE, CODE_DIGITS))
             sample = split_asked_fact(sample, offset, segment_size, tokenizer, rng, filler_split) or sample
@@ -295,6 +309,7 @@ def armt_trainer(
     chat: bool = False,
     fixed_batch: bool = False,
     base_lr_scale: float = 1.0,
+    near_fraction: float = 0.0,
 ) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
     params, and the base weights unless `freeze_base`: then the base is neither differentiated nor given
@@ -335,6 +350,7 @@ def armt_trainer(
             split_fraction,
             segmenter,
             frame,
+            near_fraction,
         )
 
     def loss_fn(params, frozen, batch):
