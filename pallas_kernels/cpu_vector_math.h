@@ -35,6 +35,14 @@ inline float widen(uint16_t v) {  // one bf16 -> f32
   return f;
 }
 
+inline float round_to_bf16(float v) {  // the nearest bf16 (ties to even), as a float; finite inputs
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
 #if defined(__clang__)
 #define JAXLONGCTX_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else

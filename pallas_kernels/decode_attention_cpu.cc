@@ -1,15 +1,15 @@
 // Decode attention over one layer of a stacked dense K/V cache, read in place, on CPU: an XLA FFI handler.
 //
 // One new token per row: its G query heads of kv head k attend over the cached slots of layer `layer`
-// that `visible` marks. XLA's CPU path copies each layer's cache slice out of the stacked cache before
-// its dots; this handler reads the slots where they lie. A task is (row b, kv head k, token split s):
-// it walks its slots in chunks, scores G heads per slot (dot products of hd), takes the chunk's
-// softmax weights with an online max, and adds the weighted values. It returns each split's normalised
-// output and log-sum-exp; the caller merges the splits and the token's own key/value.
+// that `visible` marks, and over the token's own key and value (which the cache does not hold yet).
+// XLA's CPU path copies each layer's cache slice out of the stacked cache before its dots; this handler
+// reads the slots where they lie. A task is (row b, kv head k, token split s): it walks its slots in
+// chunks, scores G heads per slot (dot products of hd), takes the chunk's softmax weights with an
+// online max, and adds the weighted values. The splits' outputs and log-sum-exps are then merged with
+// the own key/value here, so the step's XLA graph has one operation for the whole attention.
 //
 // Shapes: q f32 [B K G hd] (scale folded in); k_cache, v_cache f32 or bf16 [L B K S hd]; visible pred
-// [B S]; layer s32 []; out f32 [B K P G hd], lse f32 [B K P G] (P splits). A split that sees no slot
-// gives (0, -inf).
+// [B S]; layer s32 []; k_new, v_new f32 [B K hd]; out f32 [B K G hd].
 
 #include <algorithm>
 #include <cmath>
@@ -36,10 +36,39 @@ struct Problem {
   const void* k;  // this layer's [B K S hd]
   const void* v;
   const bool* visible;
-  float* out;
-  float* lse;
+  float* out;  // [B K P G hd] each split's normalised output
+  float* lse;  // [B K P G] and its log-sum-exp (-inf for a split that sees no slot)
   int64_t batch, kv_heads, group, head_dim, slots, splits;
 };
+
+// The attention of (row b, kv head k): the P splits' outputs joined with the token's own key and
+// value, each weighted by its share of the total softmax mass. out [G hd].
+void merge_splits(const Problem& p, const float* k_new, const float* v_new, int64_t b, int64_t k, float* out) {
+  const int64_t G = p.group, hd = p.head_dim, P = p.splits, bk = b * p.kv_heads + k;
+  const float* q = p.q + bk * G * hd;
+  const float* key = k_new + bk * hd;
+  const float* value = v_new + bk * hd;
+  for (int64_t g = 0; g < G; ++g) {
+    float own = 0.0f;
+    for (int64_t j = 0; j < hd; ++j) own += q[g * hd + j] * key[j];
+    const float* lse = p.lse + bk * P * G + g;  // split s at lse[s * G]
+    float peak = own;
+    for (int64_t s = 0; s < P; ++s) peak = std::max(peak, lse[s * G]);
+    const float own_weight = std::exp(own - peak);
+    float total = own_weight;
+    float* o = out + g * hd;
+    for (int64_t j = 0; j < hd; ++j) o[j] = own_weight * value[j];
+    for (int64_t s = 0; s < P; ++s) {
+      const float w = std::exp(lse[s * G] - peak);  // 0 for an empty split
+      if (w == 0.0f) continue;
+      total += w;
+      const float* part = p.out + ((bk * P + s) * G + g) * hd;
+      for (int64_t j = 0; j < hd; ++j) o[j] += w * part[j];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t j = 0; j < hd; ++j) o[j] *= inv;
+  }
+}
 
 // A thread's buffers, reused by every task it runs in one call.
 struct Scratch {
@@ -169,14 +198,16 @@ Runner runner(int64_t vecs) {
 
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                                ffi::AnyBuffer v_cache, ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::S32> layer,
-                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+                               ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                               ffi::ResultBuffer<ffi::F32> out, int64_t splits) {
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), od = out->dimensions();
-  if (qd.size() != 4 || cd.size() != 5 || od.size() != 5 || v_cache.dimensions().size() != 5) {
+  if (qd.size() != 4 || cd.size() != 5 || od.size() != 4 || v_cache.dimensions().size() != 5) {
     return ffi::Error::InvalidArgument("decode_attention: unexpected operand ranks");
   }
-  const int64_t B = qd[0], K = qd[1], G = qd[2], hd = qd[3], S = cd[3], P = od[2];
-  if (cd[1] != B || cd[2] != K || cd[4] != hd || hd % kLanes || G > kMaxGroup ||
-      k_cache.element_type() != v_cache.element_type()) {
+  const int64_t B = qd[0], K = qd[1], G = qd[2], hd = qd[3], S = cd[3], P = splits;
+  if (cd[1] != B || cd[2] != K || cd[4] != hd || hd % kLanes || G > kMaxGroup || P < 1 ||
+      k_cache.element_type() != v_cache.element_type() || k_new.element_count() != B * K * hd ||
+      v_new.element_count() != B * K * hd || out->element_count() != B * K * G * hd) {
     return ffi::Error::InvalidArgument("decode_attention: operand shapes or dtypes do not agree");
   }
   const int64_t l = layer.typed_data()[0];
@@ -186,17 +217,21 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     return ffi::Error::InvalidArgument("decode_attention: the cache must be float32 or bfloat16");
   }
   const int64_t offset = l * B * K * S * hd * (bf16 ? 2 : 4);
+  std::vector<float> split_out(B * K * P * G * hd), split_lse(B * K * P * G);
   const Problem p{q.typed_data(),
                   static_cast<const char*>(k_cache.untyped_data()) + offset,
                   static_cast<const char*>(v_cache.untyped_data()) + offset,
                   visible.typed_data(),
-                  out->typed_data(),
-                  lse->typed_data(),
+                  split_out.data(),
+                  split_lse.data(),
                   B, K, G, hd, S, P};
   const Runner run = bf16 ? runner<uint16_t>(hd / kLanes) : runner<float>(hd / kLanes);
   if (run == nullptr) return ffi::Error::InvalidArgument("decode_attention: head_dim must be 16, 32, 64, 96 or 128");
   jaxlongctx::run_tasks<Scratch>(pool, pool.num_threads(), B * K * P,
                                  [p, run](int64_t t, Scratch& s) { run(p, t, s); });
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t k = 0; k < K; ++k)
+      merge_splits(p, k_new.typed_data(), v_new.typed_data(), b, k, out->typed_data() + (b * K + k) * G * hd);
   return ffi::Error::Success();
 }
 
@@ -210,5 +245,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Attr<int64_t>("splits"));

@@ -3,8 +3,8 @@
 Inside a decode step's layer scan XLA's CPU path copies every layer's K and V slice out of the stacked
 `[L, B, K, S, hd]` cache before its dots, so a long cache is read and written once more per step than
 attention needs. `decode_attention_cpu.cc` reads layer `layer`'s slots where they lie, in token splits
-on XLA's intra-op threads, and returns each split's normalised output and log-sum-exp; they are merged
-here with the new token's own key and value (which the cache does not hold yet). It is built on first
+on XLA's intra-op threads, and merges the splits with the new token's own key and value (which the
+cache does not hold yet) into the attention output. It is built on first
 use (`pallas_kernels.native_build`); `native_kernel_error()` says why when it cannot be.
 """
 
@@ -69,18 +69,18 @@ def cached_decode_attention(
         )
     group, scale = h // kv, hd**-0.5
     qg = (q.reshape(b, kv, group, hd).astype(jnp.float32)) * scale  # B K G hd
-    splits = token_splits(b, kv, slots)
-    shapes = (
-        jax.ShapeDtypeStruct((b, kv, splits, group, hd), jnp.float32),
-        jax.ShapeDtypeStruct((b, kv, splits, group), jnp.float32),
+    own_k, own_v = (x.reshape(b, kv, hd).astype(jnp.float32) for x in (k_new, v_new))  # B K hd
+    call = jax.ffi.ffi_call(
+        TARGET, jax.ShapeDtypeStruct((b, kv, group, hd), jnp.float32), vmap_method="sequential"
     )
-    call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="sequential")
-    out, lse = call(qg, cache_k, cache_v, visible.astype(bool), jnp.asarray(layer, jnp.int32))
-    # the token's own key/value as one more split: its score, and its value as the split's output
-    own_lse = jnp.einsum("bkgd,bkd->bkg", qg, k_new[:, 0].astype(jnp.float32))[:, :, None]  # B K 1 G
-    own_out = jnp.broadcast_to(v_new[:, 0, :, None, None, :].astype(jnp.float32), (b, kv, 1, group, hd))
-    out = jnp.concatenate([out, own_out], axis=2)
-    lse = jnp.concatenate([lse, own_lse], axis=2)  # B K P+1 G
-    weights = jax.nn.softmax(lse, axis=2)  # an empty split (-inf) weighs 0
-    merged = jnp.einsum("bkpg,bkpgd->bkgd", weights, out)
-    return merged.reshape(b, 1, h, hd).astype(q.dtype)
+    out = call(
+        qg,
+        cache_k,
+        cache_v,
+        visible.astype(bool),
+        jnp.asarray(layer, jnp.int32),
+        own_k,
+        own_v,
+        splits=token_splits(b, kv, slots),
+    )
+    return out.reshape(b, 1, h, hd).astype(q.dtype)

@@ -9,10 +9,16 @@
 // weights where they lie, once, widening bf16 in registers. Rows are processed up to kRows at a time
 // against a tile of columns whose accumulators stay in registers; tiles run on XLA's intra-op pool.
 //
-// Shapes: x f32 [M K]; layer s32 []; then any number of weight stacks w_i f32 or bf16 [L K N_i]
-// ([L N_i K] transposed), one dtype for all, and as many results y_i f32 [M N_i].
+// With a norm weight g (f32 or bf16 [K], not empty) x is first RMS-normalised, as the model's norm does:
+// x * rsqrt(mean(x^2) + eps) * g, both products rounded to bf16 with `round_bf16` (a bf16 model);
+// the layer's norm then costs no operations of its own in the step.
+//
+// Shapes: x f32 [M K]; layer s32 []; norm weight f32 or bf16 [K] or [0]; then any number of weight
+// stacks w_i f32 or bf16 [L K N_i] ([L N_i K] transposed), one dtype for all, and as many results
+// y_i f32 [M N_i]. Attributes: transposed, eps (f32), round_bf16.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -22,8 +28,8 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxlongctx::kLanes, jaxlongctx::load, jaxlongctx::sum, jaxlongctx::v16, jaxlongctx::v16u,
-    jaxlongctx::widen;
+using jaxlongctx::kLanes, jaxlongctx::load, jaxlongctx::round_to_bf16, jaxlongctx::sum, jaxlongctx::v16,
+    jaxlongctx::v16u, jaxlongctx::widen;
 
 namespace {
 
@@ -58,6 +64,14 @@ inline void load_pair(const uint16_t* p, v16& even, v16& odd) {
   odd = (v16)(u & 0xFFFF0000u);
 }
 
+// Asks for the cache lines of 32 consecutive weights ahead of their use. A layer's matrix is read once
+// per step from memory; with hardware prefetchers alone the bf16 stream stayed latency-bound (about
+// 30 GB/s against 45 GB/s for float32 weights on 2 cores; float32 gained nothing from it).
+template <typename W>
+inline void prefetch_pair(const W* p) {
+  for (size_t line = 0; line < kStep * sizeof(W); line += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + line, 0, 3);
+}
+
 // Sums of a 32-column step in column order (see load_pair).
 inline void store_pair(float* out, const float* acc, bool interleaved) {
   if (!interleaved) return (void)std::memcpy(out, acc, kStep * sizeof(float));
@@ -85,6 +99,7 @@ void run_block(const Problem& p, int64_t t, float* acc) {
         v16 s0, s1, w0, w1;
         load_pair(a + j, s0, s1);
         for (int64_t u = 0; u < kUnroll; ++u) {
+          if constexpr (sizeof(W) == 2) prefetch_pair(row + (kUnroll + u) * p.n + j);  // the next pass
           load_pair(row + u * p.n + j, w0, w1);
           s0 += xr[u] * w0;
           s1 += xr[u] * w1;
@@ -178,15 +193,46 @@ ffi::ErrorOr<Problem> plan(const float* x, int64_t m, int64_t k, int64_t l, ffi:
   return p;
 }
 
+// x [M K] RMS-normalised with gain g [K] into out [M K] (see the header).
+template <typename G>
+void rms_norm(const float* x, const G* g, int64_t m, int64_t k, float eps, bool round_bf16, float* out) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    float squares = 0.0f;
+    for (int64_t j = 0; j < k; ++j) squares += xr[j] * xr[j];
+    const float scale = 1.0f / std::sqrt(squares / static_cast<float>(k) + eps);
+    for (int64_t j = 0; j < k; ++j) {
+      const float v = xr[j] * scale;
+      out[r * k + j] = round_bf16 ? round_to_bf16(round_to_bf16(v) * widen(g[j])) : v * widen(g[j]);
+    }
+  }
+}
+
 // y_i = x @ w_i[layer] for every weight stack w_i (the remaining arguments) and result y_i, as one set of
 // tasks: several matrices sharing an input (q, k, v; gate, up) cost one dispatch to the pool.
 ffi::Error LayerMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                           ffi::RemainingArgs weights, ffi::RemainingRets results, bool transposed) {
+                           ffi::AnyBuffer norm_weight, ffi::RemainingArgs weights, ffi::RemainingRets results,
+                           bool transposed, float eps, bool round_bf16) {
   const auto xd = x.dimensions();
   if (xd.size() != 2 || weights.size() == 0 || weights.size() != results.size()) {
     return ffi::Error::InvalidArgument("layer_matvec: x [M K] and one result per weight stack expected");
   }
   const int64_t m = xd[0], k = xd[1], l = layer.typed_data()[0], count = weights.size();
+  const float* input = x.typed_data();
+  std::vector<float> normed;
+  if (norm_weight.element_count() != 0) {
+    const auto type = norm_weight.element_type();
+    if (norm_weight.element_count() != k || (type != ffi::DataType::F32 && type != ffi::DataType::BF16)) {
+      return ffi::Error::InvalidArgument("layer_matvec: the norm weight must be float32/bfloat16 [K]");
+    }
+    normed.resize(m * k);
+    if (type == ffi::DataType::BF16) {
+      rms_norm(input, static_cast<const uint16_t*>(norm_weight.untyped_data()), m, k, eps, round_bf16, normed.data());
+    } else {
+      rms_norm(input, static_cast<const float*>(norm_weight.untyped_data()), m, k, eps, round_bf16, normed.data());
+    }
+    input = normed.data();
+  }
   std::vector<ffi::AnyBuffer> stacks;
   int64_t bytes = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -210,7 +256,7 @@ ffi::Error LayerMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     auto y = results.get<ffi::AnyBuffer>(i);
     if (!y.has_value()) return y.error();
     int64_t tasks = 0;
-    auto p = plan(x.typed_data(), m, k, l, stacks[i], *y, transposed, threads, tasks, partials[i]);
+    auto p = plan(input, m, k, l, stacks[i], *y, transposed, threads, tasks, partials[i]);
     if (!p.has_value()) return p.error();
     problems.push_back(*p);
     first_task.push_back(first_task.back() + tasks);
@@ -245,6 +291,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerMatvec, LayerMatvecImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<bool>("transposed"));
+                                  .Attr<bool>("transposed")
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("round_bf16"));

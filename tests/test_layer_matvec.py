@@ -75,6 +75,32 @@ def test_several_weight_stacks_in_one_call():
         layer_matvecs(jnp.asarray(x), (stacks[0], stacks[1].astype(jnp.float32)), 0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_normalised_input_equals_the_norm_then_the_product(dtype):
+    """`norm=(gain, eps)`: the kernel's RMSNorm prologue equals `rms_norm` (rounded to bf16 where the model
+    is bf16) followed by the product, value and gradients."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((3, 96)) * 4.0, dtype)
+    gain = jnp.asarray(rng.uniform(0.5, 1.5, 96), dtype)
+    stacks = tuple(jnp.asarray(rng.standard_normal((2, 96, n)), dtype) for n in (64, 40))
+    got = jax.jit(lambda x, g: layer_matvecs(x, stacks, 1, norm=(g, 1e-5)))(x, gain)
+    normed = layer_matvec_cpu.rms_norm(x, gain, 1e-5)
+    for y, w in zip(got, stacks):
+        want = np.asarray(normed, np.float64) @ np.asarray(w[1], np.float64)
+        tol = 2e-5 if dtype == jnp.float32 else 1e-2  # bf16: the result is rounded to bf16
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+    cot = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    ours = lambda x, g: jnp.sum(layer_matvecs(x, stacks[:1], 1, norm=(g, 1e-5))[0].astype(jnp.float32) * cot)
+    plain = lambda x, g: jnp.sum(
+        (layer_matvec_cpu.rms_norm(x, g, 1e-5) @ stacks[0][1]).astype(jnp.float32) * cot
+    )
+    x32, g32 = x.astype(jnp.float32), gain.astype(jnp.float32)
+    for got_grad, want_grad in zip(jax.grad(ours, (0, 1))(x32, g32), jax.grad(plain, (0, 1))(x32, g32)):
+        np.testing.assert_allclose(np.asarray(got_grad), np.asarray(want_grad), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="norm gain"):
+        layer_matvecs(x, stacks, 0, norm=(gain[:10], 1e-5))
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_gradients_are_those_of_the_plain_product(transposed):
     """Training through a few-row head or step: d/dx and d/dw equal XLA's product's."""

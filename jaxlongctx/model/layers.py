@@ -25,17 +25,21 @@ from flax import nnx
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.rope import apply_rope
 from jaxlongctx.sharding import matmul
+from pallas_kernels.layer_matvec_cpu import rms_norm  # the model's RMSNorm, as the kernel computes it
 
 Dense = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]  # (x [..., in], weight) -> x @ weight [..., out]
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedDense:
-    """A `Dense` that also multiplies one input by several weights in one call (`many`): the layer's
-    q/k/v and gate/up products then cost one kernel call each (the in-place CPU decode kernel)."""
+    """A `Dense` that also multiplies one input by several weights in one call (`many`), and does so
+    after RMS-normalising the input (`normed(h, gain, eps, weights)`): the layer's norm and q/k/v
+    products, and its post-norm and gate/up products, then cost one kernel call each (the in-place
+    CPU decode kernel)."""
 
     one: Dense
     many: Callable[[jnp.ndarray, tuple[jnp.ndarray, ...]], tuple[jnp.ndarray, ...]]
+    normed: Callable[[jnp.ndarray, jnp.ndarray, float, tuple[jnp.ndarray, ...]], tuple[jnp.ndarray, ...]]
 
     def __call__(self, x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
         return self.one(x, w)
@@ -48,15 +52,17 @@ def products(dense: Dense, x: jnp.ndarray, weights: tuple[jnp.ndarray, ...]) -> 
     return tuple(dense(x, w) for w in weights)
 
 
+def normed_products(
+    dense: Dense, h: jnp.ndarray, gain: jnp.ndarray, eps: float, weights: tuple[jnp.ndarray, ...]
+) -> tuple[jnp.ndarray, ...]:
+    """`rms_norm(h)` times each of `weights`: one call of a `FusedDense`, else the norm, then `products`."""
+    if isinstance(dense, FusedDense):
+        return dense.normed(h, gain, eps, weights)
+    return products(dense, rms_norm(h, per_layer(gain, h), eps), weights)
+
+
 # (q [..., T, H, hd], k [..., T, K, hd], v [..., T, K, hd]), post-RoPE -> (out [..., T, H, hd], aux)
 Attend = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray], tuple[jnp.ndarray, Any]]
-
-
-def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """RMSNorm computed in float32 and cast back to x.dtype before the weight (HF order)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
 
 
 def per_layer(v: jnp.ndarray, like: jnp.ndarray) -> jnp.ndarray:
@@ -115,8 +121,9 @@ class DecoderLayer(nnx.Module):
         """
         cfg = self.config
         lead = h.shape[:-1]
-        x = rms_norm(h, per_layer(self.input_norm[...], h), cfg.rms_norm_eps)
-        q, k, v = products(dense, x, (self.wq[...], self.wk[...], self.wv[...]))
+        q, k, v = normed_products(
+            dense, h, self.input_norm[...], cfg.rms_norm_eps, (self.wq[...], self.wk[...], self.wv[...])
+        )
         if cfg.qkv_bias:
             q, k, v = (
                 q + per_layer(self.bq[...], q),
@@ -142,8 +149,9 @@ class DecoderLayer(nnx.Module):
         if cfg.o_bias:
             o = o + per_layer(self.bo[...], o)
         h = h + o
-        x = rms_norm(h, per_layer(self.post_norm[...], h), cfg.rms_norm_eps)
-        gate, up = products(dense, x, (self.w_gate[...], self.w_up[...]))
+        gate, up = normed_products(
+            dense, h, self.post_norm[...], cfg.rms_norm_eps, (self.w_gate[...], self.w_up[...])
+        )
         gated = jax.nn.silu(gate) * up
         return h + dense(gated, self.w_down[...])
 

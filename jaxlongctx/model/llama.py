@@ -109,7 +109,11 @@ class Llama(nnx.Module):
         def step(c, per_layer):
             i, x = per_layer
             layer = nnx.merge(graphdef, jax.tree.map(lambda w: w if w.ndim == 3 else w[i], state))
-            dense = FusedDense(lambda v, w: layer_matvec(v, w, i), lambda v, ws: layer_matvecs(v, ws, i))
+            dense = FusedDense(
+                lambda v, w: layer_matvec(v, w, i),
+                lambda v, ws: layer_matvecs(v, ws, i),
+                lambda v, gain, eps, ws: layer_matvecs(v, ws, i, norm=(gain, eps)),
+            )
             return body(layer, dense, c, x)
 
         return jax.lax.scan(step, h, (jnp.arange(self.config.num_layers), xs))
