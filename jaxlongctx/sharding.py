@@ -234,17 +234,24 @@ def sharded_pq_decode_attention(
     scale: float,
     *,
     backend: str = "auto",
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """`pallas_kernels.pq_decode_attention` run per shard under `shard_map` when its inputs are on a
     mesh (codes and windows split over kv heads and batch, queries by the matching heads): attention
-    is local to a kv-head group, so no communication is needed. Shapes as the kernel; -> `[B, H, D]`."""
+    is local to a kv-head group, so no communication is needed. Shapes as the kernel; -> `[B, H, D]`.
+    With `layer` the codes are every layer's `[L, B, K, T, M]` (read in place off a mesh)."""
     from pallas_kernels import pq_decode_attention
 
-    args = (q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths)
-    kernel = lambda *a: pq_decode_attention(*a, scale, backend=backend)
     q_sharding = jax.typeof(q).sharding
     if q_sharding.mesh.empty:
-        return kernel(*args)
+        args = (q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths)
+        return pq_decode_attention(*args, scale, backend=backend, layer=layer)
+    if layer is not None:
+        k_codes, v_codes = (
+            jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in (k_codes, v_codes)
+        )
+    args = (q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths)
+    kernel = lambda *a: pq_decode_attention(*a, scale, backend=backend)
     specs = tuple(jax.typeof(a).sharding.spec for a in args)
     batch, heads = specs[0][0], specs[0][1]
     kv_heads = _kv_axes(heads)  # a device's query heads all read the kv head(s) it holds

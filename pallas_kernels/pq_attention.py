@@ -201,13 +201,24 @@ def pq_decode_attention(
     scale: float | jax.Array,
     *,
     backend: Backend | Literal["native"] = "auto",
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """One decode step of attention over a PQ-coded cache plus an exact window; returns [B H D] in q.dtype.
 
     backend: "xla" (gathers in XLA), "native" (the C++ CPU kernel, pq_attention_cpu), "pallas" (GPU),
     "interpret" (Pallas on CPU, for tests), or "auto" (native on CPU when it builds, else xla; pallas on GPU).
+    With `layer`, k_codes/v_codes hold every layer's codes `[L, B, K, T, M]` and layer `layer`'s are
+    attended: the native kernel reads them in place, the other backends take the layer's slice.
     """
     resolved = _resolve_pq_backend(backend)
+    stacked = None
+    if layer is not None:
+        if k_codes.ndim != 5 or v_codes.shape != k_codes.shape:
+            raise ValueError(
+                f"pq_decode_attention: with a layer, codes must be [L, B, K, T, M], got {k_codes.shape}"
+            )
+        stacked, layer = (k_codes, v_codes), jnp.asarray(layer, jnp.int32)
+        k_codes, v_codes = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in stacked)
     lengths, res_lengths = jnp.asarray(lengths), jnp.asarray(res_lengths)
     _check_inputs(q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths)
     batch, heads, head_dim = q.shape
@@ -223,7 +234,8 @@ def pq_decode_attention(
     elif capacity > 0 and resolved == "native":
         lut = lane_lookup_tables(q, k_cent, kv_heads, scale)  # [B K NB M C 4]
         v_cent_k = v_cent if v_cent.ndim == 4 else v_cent[None]  # [Kc M C ds]
-        coded_out, coded_lse = pq_coded_partials_native(lut, k_codes, v_codes, v_cent_k, lengths)
+        codes = (k_codes, v_codes) if stacked is None else stacked  # in place: no slice is taken
+        coded_out, coded_lse = pq_coded_partials_native(lut, *codes, v_cent_k, lengths, layer)
         splits = coded_out.shape[3]  # [B K NB S 4 D]: query head g = nb * 4 + lane
         coded_out = coded_out.transpose(0, 1, 3, 2, 4, 5).reshape(batch, kv_heads, splits, -1, head_dim)
         coded_lse = coded_lse.transpose(0, 1, 3, 2, 4).reshape(batch, kv_heads, splits, -1)

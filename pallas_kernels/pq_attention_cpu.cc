@@ -10,8 +10,10 @@
 // window are merged by log-sum-exp by the caller. Tasks run on XLA's intra-op thread pool.
 //
 // Shapes: lut f32 [B K NB M C 4] (scale folded in; padded query heads are zero rows),
-// k_codes/v_codes u8 [B K T M], v_cent f32 [Kc M C ds] (Kc = 1 shared or K), lengths s32 [B];
-// out f32 [B K NB S 4 D], lse f32 [B K NB S 4] (D = M * ds). A split with no token gives (0, -inf).
+// k_codes/v_codes u8 [L B K T M] (every layer's codes: layer `layer`'s are read where they lie, so
+// the step's layer loop copies no code slices), v_cent f32 [Kc M C ds] (Kc = 1 shared or K), lengths
+// s32 [B], layer s32 []; out f32 [B K NB S 4 D], lse f32 [B K NB S 4] (D = M * ds). A split with no
+// token gives (0, -inf).
 
 #include <algorithm>
 #include <cmath>
@@ -172,15 +174,21 @@ struct Scratch {
 
 ffi::Error PqCodedPartialsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> lut, ffi::Buffer<ffi::U8> k_codes,
                                ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_cent,
-                               ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out,
-                               ffi::ResultBuffer<ffi::F32> lse) {
+                               ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> layer,
+                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   const auto ld = lut.dimensions(), cd = k_codes.dimensions(), vd = v_cent.dimensions(), od = out->dimensions();
-  if (ld.size() != 6 || cd.size() != 4 || vd.size() != 4 || od.size() != 6 || ld[5] != kLanes) {
+  if (ld.size() != 6 || cd.size() != 5 || vd.size() != 4 || od.size() != 6 || ld[5] != kLanes) {
     return ffi::Error::InvalidArgument("pq_coded_partials: unexpected operand ranks");
   }
-  const Problem p{lut.typed_data(), k_codes.typed_data(), v_codes.typed_data(), v_cent.typed_data(),
-                  lengths.typed_data(), out->typed_data(), lse->typed_data(),
-                  ld[0], ld[1], ld[2], ld[3], ld[4], cd[2], vd[0], vd[3], od[3]};
+  if (cd[1] != ld[0] || cd[2] != ld[1] || cd[4] != ld[3] || v_codes.element_count() != k_codes.element_count()) {
+    return ffi::Error::InvalidArgument("pq_coded_partials: code and table shapes do not agree");
+  }
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("pq_coded_partials: layer index out of range");
+  const int64_t offset = l * cd[1] * cd[2] * cd[3] * cd[4];  // layer l's codes [B K T M]
+  const Problem p{lut.typed_data(), k_codes.typed_data() + offset, v_codes.typed_data() + offset,
+                  v_cent.typed_data(), lengths.typed_data(), out->typed_data(), lse->typed_data(),
+                  ld[0], ld[1], ld[2], ld[3], ld[4], cd[3], vd[0], vd[3], od[3]};
   jaxlongctx::run_tasks<Scratch>(pool, pool.num_threads(), ld[0] * ld[1] * ld[2] * od[3],
                                  [p](int64_t t, Scratch& s) {
                                    s.bins.resize(p.subspaces * (p.centroids * kLanes + kRowPad));
@@ -199,6 +207,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PqCodedPartials, PqCodedPartialsImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -42,19 +42,27 @@ def native_splits(batch: int, kv_heads: int, blocks: int, length_hint: int) -> i
 
 
 def pq_coded_partials_native(
-    lut: jax.Array, k_codes: jax.Array, v_codes: jax.Array, v_cent: jax.Array, lengths: jax.Array
+    lut: jax.Array,
+    k_codes: jax.Array,
+    v_codes: jax.Array,
+    v_cent: jax.Array,
+    lengths: jax.Array,
+    layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Coded-token partials through the CPU kernel.
 
-    lut [B K NB M C 4] fp32 (scale folded in), codes [B K T M] uint8, v_cent [Kc M C ds] (Kc = 1 or K),
-    lengths [B] -> (out [B K NB S 4 D], lse [B K NB S 4]) fp32, one normalised partial per token split.
+    lut [B K NB M C 4] fp32 (scale folded in), codes [B K T M] uint8 (or every layer's [L B K T M] with
+    `layer`, read in place), v_cent [Kc M C ds] (Kc = 1 or K), lengths [B] -> (out [B K NB S 4 D],
+    lse [B K NB S 4]) fp32, one normalised partial per token split.
     """
     error = native_kernel_error()
     if error is not None:
         raise RuntimeError(f"pq_decode_attention: the native CPU kernel is unavailable: {error}")
+    if layer is None:
+        k_codes, v_codes, layer = k_codes[None], v_codes[None], 0
     batch, kv_heads, blocks, subspaces, _, _ = lut.shape
     head_dim = subspaces * v_cent.shape[-1]
-    splits = native_splits(batch, kv_heads, blocks, k_codes.shape[2])
+    splits = native_splits(batch, kv_heads, blocks, k_codes.shape[3])
     shapes = (
         jax.ShapeDtypeStruct((batch, kv_heads, blocks, splits, LANES, head_dim), jnp.float32),
         jax.ShapeDtypeStruct((batch, kv_heads, blocks, splits, LANES), jnp.float32),
@@ -66,4 +74,5 @@ def pq_coded_partials_native(
         v_codes,
         v_cent.astype(jnp.float32),
         lengths.astype(jnp.int32),
+        jnp.asarray(layer, jnp.int32),
     )

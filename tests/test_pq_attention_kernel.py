@@ -168,6 +168,28 @@ def test_native_long_rows_with_moving_max():
     _check((q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale), "native", 1e-4)
 
 
+@pytest.mark.parametrize("backend", ["native", "xla"])
+def test_layer_of_stacked_codes_equals_its_slice(backend):
+    """`layer=`: every layer's codes `[L, B, K, T, M]` in one buffer (read in place by the native kernel,
+    sliced by the others) give the answer of that layer's codes alone."""
+    if backend == "native":
+        _require_native()
+    q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale = _case(
+        group=3, kv_heads=3, capacity=700, lengths=(700, 3, 0)
+    )
+    rng = np.random.default_rng(3)
+    stacks = [
+        jnp.asarray(rng.integers(0, 256, (3, *c.shape)), jnp.uint8).at[1].set(c) for c in (k_codes, v_codes)
+    ]
+    rest = (k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale)
+    want = jax.jit(lambda: pq_decode_attention(q, k_codes, v_codes, *rest, backend=backend))()
+    run = jax.jit(lambda i: pq_decode_attention(q, *stacks, *rest, backend=backend, layer=i))
+    np.testing.assert_allclose(np.asarray(run(1)), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(np.asarray(run(2)), np.asarray(want))
+    with pytest.raises(ValueError, match="with a layer"):
+        pq_decode_attention(q, k_codes, v_codes, *rest, backend=backend, layer=0)
+
+
 def test_native_bf16_inputs():
     _require_native()
     _check(_case(dtype=jnp.bfloat16, group=3, kv_heads=3, capacity=700, lengths=(700, 3, 0)), "native", 2e-2)

@@ -133,7 +133,9 @@ class PQDecode:
     Its k/v go into the exact window `k_window/v_window [B, K, R, hd]` at slot `at [B]`; then
     `pallas_kernels.pq_decode_attention` (per shard on a mesh, `backend` as there) attends over the
     coded tokens `k_codes/v_codes [B, K, T, M]` (the first `lengths [B]` valid; centroids
-    `k_cent/v_cent [(K,) M, C, ds]`) and the window slots `<= at`. aux: the updated windows.
+    `k_cent/v_cent [(K,) M, C, ds]`) and the window slots `<= at`. aux: the updated windows. With
+    `layer` set, k_codes/v_codes are every layer's `[L, B, K, T, M]` and layer `layer`'s are attended
+    (read in place by the CPU kernel).
     """
 
     k_codes: jnp.ndarray
@@ -145,6 +147,7 @@ class PQDecode:
     v_window: jnp.ndarray
     at: jnp.ndarray
     backend: str = "auto"
+    layer: jnp.ndarray | None = None
 
     def __call__(self, q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray) -> tuple[jnp.ndarray, KVPair]:
         k_win, v_win = (
@@ -163,6 +166,7 @@ class PQDecode:
             self.at + 1,
             q.shape[-1] ** -0.5,
             backend=self.backend,
+            layer=self.layer,
         )  # [B H hd]
         return out[:, None], (k_win, v_win)
 
