@@ -79,25 +79,13 @@ def pq_decode_hidden(
     cos, sin = module.rope(positions)
     at = cache.window_lengths  # window slot of the new token, per row
 
-    if jax.typeof(cache.k_codes).sharding.mesh.empty:  # every layer's codes, layer i's read in place
+    def body(layer: DecoderLayer, dense: Dense, h, xs):
+        i, k_win, v_win, kc, vc = xs  # one layer: [B K R D], [(K,) M C ds]
+        # every layer's codes [L B K T M]: layer i's are read in place (sliced on a mesh)
+        attend = PQDecode(cache.k_codes, cache.v_codes, kc, vc, cache.lengths, k_win, v_win, at, backend, i)
+        return layer(h, cos, sin, attend, dense)
 
-        def body(layer: DecoderLayer, dense: Dense, h, xs):
-            i, k_win, v_win, kc, vc = xs  # one layer: [B K R D], [(K,) M C ds]
-            attend = PQDecode(
-                cache.k_codes, cache.v_codes, kc, vc, cache.lengths, k_win, v_win, at, backend, i
-            )
-            return layer(h, cos, sin, attend, dense)
-
-        layers = jnp.arange(cache.k_codes.shape[0])
-        xs = (layers, cache.k_window, cache.v_window, k_cent, v_cent)
-    else:  # each layer's code slices as scanned inputs (split over the mesh)
-
-        def body(layer: DecoderLayer, dense: Dense, h, xs):
-            k_codes, v_codes, k_win, v_win, kc, vc = xs  # one layer: [B K T M], [B K R D], [(K,) M C ds]
-            attend = PQDecode(k_codes, v_codes, kc, vc, cache.lengths, k_win, v_win, at, backend)
-            return layer(h, cos, sin, attend, dense)
-
-        xs = (cache.k_codes, cache.v_codes, cache.k_window, cache.v_window, k_cent, v_cent)
+    xs = (jnp.arange(cache.k_codes.shape[0]), cache.k_window, cache.v_window, k_cent, v_cent)
     h, (k_win, v_win) = module.scan_decode_layers(body, module.embed_ids(ids), xs)
     return h, cache._replace(k_window=k_win, v_window=v_win, window_lengths=at + 1)
 
