@@ -10,8 +10,8 @@
 // against a tile of columns whose accumulators stay in registers; tiles run on XLA's intra-op pool.
 //
 // With a norm weight g (f32 or bf16 [K], not empty) x is first RMS-normalised, as the model's norm does:
-// x * rsqrt(mean(x^2) + eps) * g, both products rounded to bf16 with `round_bf16` (a bf16 model);
-// the layer's norm then costs no operations of its own in the step.
+// x * rsqrt(mean(x^2) + eps) rounded to bf16 with `round_bf16` (x was bf16), times g, rounded again
+// where g is bf16 too; the layer's norm then costs no operations of its own in the step.
 //
 // Shapes: x f32 [M K]; layer s32 []; norm weight f32 or bf16 [K] or [0]; then any number of weight
 // stacks w_i f32 or bf16 [L K N_i] ([L N_i K] transposed), one dtype for all, and as many results
@@ -202,8 +202,9 @@ void rms_norm(const float* x, const G* g, int64_t m, int64_t k, float eps, bool 
     for (int64_t j = 0; j < k; ++j) squares += xr[j] * xr[j];
     const float scale = 1.0f / std::sqrt(squares / static_cast<float>(k) + eps);
     for (int64_t j = 0; j < k; ++j) {
-      const float v = xr[j] * scale;
-      out[r * k + j] = round_bf16 ? round_to_bf16(round_to_bf16(v) * widen(g[j])) : v * widen(g[j]);
+      const float normed = round_bf16 ? round_to_bf16(xr[j] * scale) : xr[j] * scale;  // in x's dtype
+      const float scaled = normed * widen(g[j]);
+      out[r * k + j] = round_bf16 && sizeof(G) == 2 ? round_to_bf16(scaled) : scaled;  // bf16 x bf16 is bf16
     }
   }
 }
