@@ -24,7 +24,9 @@ Rows:
     the memory state, the prompt's last segment, the answer prefix and digits form the decoding window.
     On CPU the diagonal schedule of a one-shot input runs its cells in sequential order where the
     pipeline does not pay off (`diagonal_pays_off`; always for SmolLM2's 528-row segments): the JSON
-    records how it ran (`diagonal_runs_as`).
+    records how it ran (`diagonal_runs_as`). Each row lists per item its depth, where its code lies
+    against the decoding window and whether it was answered, and `memory_only`: exact match over the
+    items whose fact lies before the window, the ones only the memory can answer.
 (c) `sequential_check`: the first `--sequential-samples` items of each `--sequential-lengths` length on
     the sequential schedule; whether its answers equal (b)'s, and the largest digit-logit difference.
     Where (b) ran in sequential order (CPU), the same items also run through the diagonal pipeline
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from bench.armt_retrieval import _exact_match_errorbar, _length_axis
 from bench.common import plot_path, save_plot, subplots, use_quick_results, write_result
@@ -66,6 +69,7 @@ from jaxlongctx.train.chat_accuracy import (
     armt_digit_logits,
     chat_cut,
     exact_match,
+    fact_in_window,
     fit_context,
     full_attention_digit_logits,
 )
@@ -226,9 +230,8 @@ def run(
         runs_as[length] = "pipeline" if diagonal_pays_off(armt, 1, segments) else "sequential order"
         load0, t0 = os.getloadavg()[0], time.perf_counter()
         diag = answer_logits(diagonal, items, f"ARMT diagonal {length:,}")
-        rows["armt_diagonal"].append(
-            _row("armt_diagonal", length, items, diag, time.perf_counter() - t0, load0)
-        )
+        row = _row("armt_diagonal", length, items, diag, time.perf_counter() - t0, load0)
+        rows["armt_diagonal"].append({**row, **by_fact_place(armt, items, diag)})
         if length in check_lengths and check_samples:
             checks.append(
                 schedule_check(armt, items[:check_samples], diag[:check_samples], length, chunk_segments)
@@ -254,6 +257,23 @@ def run(
         "results": rows,
         "sequential_check": checks,
     }
+
+
+def by_fact_place(armt: ARMTModel, items: list[RetrievalItem], logits) -> dict[str, Any]:
+    """Per item of an ARMT row: its depth, where its fact lies against the decoding window and whether
+    it was answered; and exact match over the items whose fact lies before the window, which only the
+    memory can answer (`memory_only`)."""
+    places = [fact_in_window(armt, item) for item in items]
+    right = (argmax_digits(logits) == np.stack([item.answer_ids for item in items])).all(axis=1)
+    per_item = [
+        {"depth": item.depth, **place, "correct": bool(ok)} for item, place, ok in zip(items, places, right)
+    ]
+    behind = [i for i, place in enumerate(places) if not place["fact_in_window"]]
+    memory_only = (
+        exact_match(argmax_digits(logits[behind]), [items[i] for i in behind]) if behind else {"n": 0}
+    )
+    print("  fact before the decoding window:", {k: memory_only.get(k) for k in ("correct", "n")}, flush=True)
+    return {"items": per_item, "memory_only": memory_only}
 
 
 def schedule_check(

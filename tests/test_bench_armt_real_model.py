@@ -210,6 +210,15 @@ def test_bench_writes_json_and_plot_and_quick_writes_only_quick_files(armt, tmp_
             assert r["n"] == 2 and 0 <= r["correct"] <= 2 and r["accuracy"] == r["correct"] / 2
             assert r["interval"][0] <= r["accuracy"] <= r["interval"][1] and r["seconds"] > 0
     assert [r["tokens_seen"] <= NATIVE for r in written["results"]["full_attention"]] == [True, True]
+    for r in written["results"]["armt_diagonal"]:  # per item: where the fact lies against the window
+        assert [i["correct"] for i in r["items"]].count(True) == r["correct"] and len(r["items"]) == 2
+        behind = [i for i in r["items"] if not i["fact_in_window"]]
+        assert r["memory_only"]["n"] == len(behind)
+        assert r["memory_only"].get("correct", 0) == sum(i["correct"] for i in behind)
+        for i in r["items"]:
+            assert i["fact_in_window"] == (i["code_position"] >= i["window_start"])
+    long_row = written["results"]["armt_diagonal"][1]  # 640 tokens, segments of 64: mostly behind
+    assert long_row["memory_only"]["n"] >= 1
     (check,) = written["sequential_check"]
     assert check["length"] == 256 and check["answers_equal"] and check["pipeline_answers_equal"]
     assert written["model"] == info and written["chance"]["exact_match"] == pytest.approx(1e-4)
