@@ -264,14 +264,13 @@ def by_fact_place(armt: ARMTModel, items: list[RetrievalItem], logits) -> dict[s
     it was answered; and exact match over the items whose fact lies before the window, which only the
     memory can answer (`memory_only`)."""
     places = [fact_in_window(armt, item) for item in items]
-    right = (argmax_digits(logits) == np.stack([item.answer_ids for item in items])).all(axis=1)
+    predicted = argmax_digits(logits)  # [N, CODE_DIGITS]
+    right = (predicted == np.stack([item.answer_ids for item in items])).all(axis=1)
     per_item = [
         {"depth": item.depth, **place, "correct": bool(ok)} for item, place, ok in zip(items, places, right)
     ]
     behind = [i for i, place in enumerate(places) if not place["fact_in_window"]]
-    memory_only = (
-        exact_match(argmax_digits(logits[behind]), [items[i] for i in behind]) if behind else {"n": 0}
-    )
+    memory_only = exact_match(predicted[behind], [items[i] for i in behind]) if behind else {"n": 0}
     print("  fact before the decoding window:", {k: memory_only.get(k) for k in ("correct", "n")}, flush=True)
     return {"items": per_item, "memory_only": memory_only}
 
