@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.dispatch import Backend, resolve_backend
-from pallas_kernels.pq_attention_cpu import LANES, native_kernel_error, pq_coded_partials_native
+from pallas_kernels.pq_attention_cpu import native_kernel_error, pq_decode_attention_native
 from pallas_kernels.pq_attention_kernel import padded_group, pq_coded_partials_pallas
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -27,17 +27,6 @@ def lookup_tables(
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0), (0, 0)))  # [B K Gp M ds]
     spec = "bkgmj,mcj->bkgmc" if k_cent.ndim == 3 else "bkgmj,kmcj->bkgmc"
     return jnp.einsum(spec, qg, k_cent.astype(jnp.float32), precision=_HIGHEST)
-
-
-def lane_lookup_tables(q: jax.Array, k_cent: jax.Array, kv_heads: int, scale: float | jax.Array) -> jax.Array:
-    """LUT [B K NB M C 4] fp32 for the CPU kernel: query heads in blocks of 4 lanes (NB = ceil(G / 4)),
-    lanes innermost so one 16-byte load scores 4 heads; padded heads are zero."""
-    batch, heads, _ = q.shape
-    group = heads // kv_heads
-    blocks = -(-group // LANES)
-    lut = lookup_tables(q, k_cent, kv_heads, blocks * LANES, scale)  # [B K NB*4 M C]
-    lut = lut.reshape(batch, kv_heads, blocks, LANES, *lut.shape[-2:])
-    return lut.transpose(0, 1, 2, 4, 5, 3)
 
 
 def _resolve_pq_backend(backend: str) -> str:
@@ -221,6 +210,12 @@ def pq_decode_attention(
         k_codes, v_codes = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in stacked)
     lengths, res_lengths = jnp.asarray(lengths), jnp.asarray(res_lengths)
     _check_inputs(q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths)
+    if resolved == "native":  # lookup tables, coded tokens, window and merge in one call
+        codes = (k_codes, v_codes) if stacked is None else stacked  # in place: no slice is taken
+        out = pq_decode_attention_native(
+            q, *codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale, layer
+        )
+        return out.astype(q.dtype)
     batch, heads, head_dim = q.shape
     kv_heads, capacity, subspaces = k_codes.shape[1:]
     group = heads // kv_heads
@@ -231,16 +226,6 @@ def pq_decode_attention(
         coded_out, coded_lse = _coded_partials_xla(lut, k_codes, v_codes, v_cent, lengths)
         outs.append(coded_out[:, :, None])
         lses.append(coded_lse[:, :, None])
-    elif capacity > 0 and resolved == "native":
-        lut = lane_lookup_tables(q, k_cent, kv_heads, scale)  # [B K NB M C 4]
-        v_cent_k = v_cent if v_cent.ndim == 4 else v_cent[None]  # [Kc M C ds]
-        codes = (k_codes, v_codes) if stacked is None else stacked  # in place: no slice is taken
-        coded_out, coded_lse = pq_coded_partials_native(lut, *codes, v_cent_k, lengths, layer)
-        splits = coded_out.shape[3]  # [B K NB S 4 D]: query head g = nb * 4 + lane
-        coded_out = coded_out.transpose(0, 1, 3, 2, 4, 5).reshape(batch, kv_heads, splits, -1, head_dim)
-        coded_lse = coded_lse.transpose(0, 1, 3, 2, 4).reshape(batch, kv_heads, splits, -1)
-        outs.append(coded_out[:, :, :, :group])
-        lses.append(coded_lse[:, :, :, :group])
     elif capacity > 0:
         _check_pallas_shapes(subspaces, head_dim // subspaces)
         group_p = padded_group(group)
