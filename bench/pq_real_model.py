@@ -110,8 +110,9 @@ def ppl_settings(context: int) -> list[Setting]:
         best4,
         pq(4, "layer"),
     ]
-    if context > 2048:  # an 8K window costs about 4x a 2K one
-        return rows
+    if context > 2048:  # an 8K window costs about 4x a 2K one; a wider exact window costs little there
+        wider = [pq(4, "layer", "attention", SINKS, r, calib_window=w) for r in (2 * RECENT, 4 * RECENT)]
+        return rows + wider + [Setting(f"int2 g128 R{2 * RECENT}", "int2", recent=2 * RECENT)]
     return rows + [
         pq(2, "layer", "attention"),  # each improvement on its own
         pq(2, "layer", recent=RECENT),
