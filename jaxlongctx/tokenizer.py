@@ -75,6 +75,20 @@ class ChatTokenizer:
             stops,
         )
 
+    def save_to(self, directory: str | Path) -> None:
+        """Write the tokenizer as `from_directory` reads it: tokenizer.json, and tokenizer_config.json
+        (chat template, special tokens) and generation_config.json (stop ids) when it has them."""
+        directory = Path(directory)
+        self.backend.save(str(directory / "tokenizer.json"))
+        config = {n: t for n, t in self.special_tokens.items() if t is not None}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        if config:
+            (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.stop_ids:
+            stops = {"eos_token_id": list(self.stop_ids)}
+            (directory / "generation_config.json").write_text(json.dumps(stops, indent=2) + "\n")
+
     def __getattr__(self, name: str) -> Any:
         if name == "backend":  # not yet set (e.g. while unpickling)
             raise AttributeError(name)

@@ -201,3 +201,22 @@ def test_chat_template_errors():
         render_chat(refuses_tools, [{"role": "user"}])
     with pytest.raises(ChatTemplateError, match="does not parse"):
         render_chat("{% for %}", [])
+
+
+def test_saved_armt_model_keeps_the_chat_template_and_stop_ids(chat_model, tmp_path):
+    """A full ARMT checkpoint of a chat model chats like its base: the template, special tokens and
+    stop ids travel with tokenizer.json."""
+    import jax
+
+    from jaxlongctx.armt import ARMTConfig, ARMTModel
+
+    armt = ARMTModel.wrap(chat_model, ARMTConfig(16, 4, d_mem=8), jax.random.key(0))
+    armt.save(tmp_path / "armt")
+    loaded = jaxlongctx.load(tmp_path / "armt")
+    messages = [{"role": "user", "content": "How are you?"}]
+    assert loaded.tokenizer.chat_template == chat_model.tokenizer.chat_template is not None
+    assert loaded.tokenizer.stop_ids == chat_model.tokenizer.stop_ids
+    assert loaded.tokenizer.special_tokens == chat_model.tokenizer.special_tokens
+    assert loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True) == (
+        chat_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    )

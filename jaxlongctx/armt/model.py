@@ -43,6 +43,7 @@ from jaxlongctx.model.model import Model
 from jaxlongctx.model.rope import inverse_frequencies
 from jaxlongctx.parallel import param_shardings, shard_memory
 from jaxlongctx.sampling import SamplingParams
+from jaxlongctx.tokenizer import ChatTokenizer
 from jaxlongctx.validation import check_ids, check_mask, check_positive_int
 
 SCHEDULES = stream.SCHEDULES
@@ -317,7 +318,9 @@ class ARMTModel(OwnMemoryModel):
                 return Path(path)
             save_params(tmp, nnx.to_pure_dict(self.base.params))
             write_metadata(tmp, self.config, str(self.dtype), extra)
-            if self.tokenizer is not None:
+            if isinstance(self.tokenizer, ChatTokenizer):
+                self.tokenizer.save_to(tmp)  # with its chat template and stop ids
+            elif self.tokenizer is not None:
                 self.tokenizer.save(str(tmp / "tokenizer.json"))
         return Path(path)
 
