@@ -241,3 +241,33 @@ def test_bench_writes_json_and_plot_and_quick_writes_only_quick_files(armt, tmp_
     monkeypatch.setattr(bench.common, "_QUICK", False)  # --name: another checkpoint's files beside these
     armt_real_model.write_results({**result, "model": info, "base_dtype": "fp32", "quick": False}, "run3")
     assert sorted(f.name for f in tmp_path.iterdir()) == ["run3.json", "run3.png"]
+
+
+def test_memory_probe_splits_items_by_where_their_fact_lies_and_writes_quick_files(
+    armt, tmp_path, monkeypatch
+):
+    from bench import armt_memory_probe
+
+    hits = [[True] * CODE_DIGITS, [True, False, True, True]]
+    scored = armt_memory_probe.score(hits)
+    assert (scored["n"], scored["exact"], scored["digit_accuracy"]) == (2, 1, 0.875)
+    assert scored["per_digit"] == [1.0, 0.5, 1.0, 1.0] and armt_memory_probe.score([]) == {"n": 0}
+
+    row = armt_memory_probe.probe_length(armt, 4 * SEGMENT, 3)
+    memory, window = row["memory_only"], row["fact_in_answer_segment"]
+    assert memory["n"] + window["n"] == 3 and memory["n"] >= 1  # facts sit before the first boundary
+    for part in (memory, window):
+        if part["n"]:
+            assert 0 <= part["exact"] <= part["n"] and len(part["per_digit"]) == CODE_DIGITS
+            assert part["digit_accuracy"] == pytest.approx(np.mean(part["per_digit"]), abs=1e-3)
+
+    armt.save(tmp_path / "model")
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr(bench.common, "_QUICK", False)  # restored after main() sets it
+    armt_memory_probe.main(["--model", str(tmp_path / "model"), "--quick"])
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == [
+        "armt_memory_probe_quick.json",
+        "armt_memory_probe_quick.png",
+    ]
+    written = json.loads((tmp_path / "results/armt_memory_probe_quick.json").read_text())
+    assert written["quick"] and [r["tokens"] for r in written["models"][0]["rows"]] == [512]
