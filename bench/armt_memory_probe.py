@@ -108,8 +108,12 @@ def score(hits: list[list[bool]]) -> dict[str, Any]:
 
 
 def label(info: dict[str, Any]) -> str:
-    """A short name of a probed model for the plot: the training step, or the directory name."""
-    return f"step {info['step']}" if "step" in info else Path(info["path"]).name
+    """A short name of a probed model for the plot: its run (or directory) and training step."""
+    path = Path(info["path"])
+    if "step" not in info:
+        return path.name
+    run = path.parent.parent.name if path.parent.name == "checkpoints" else path.name
+    return f"{run}\nstep {info['step']}"
 
 
 def plot(payload: dict[str, Any], name: str) -> Path:
@@ -167,8 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.model:
         armt, info = load_armt(Path(path), args.base_dtype)
         rows = [probe_length(armt, tokens, samples) for tokens in lengths]
+        name = " ".join(label(info).split())
         for row in rows:
-            print(f"{label(info)} {row['tokens']:,}: memory only {row['memory_only']}")
+            print(f"{name} {row['tokens']:,}: memory only {row['memory_only']}")
         payload["models"].append({"model": info, "rows": rows})
         write_result(args.name, payload)
     payload["plot"] = str(plot(payload, args.name))
