@@ -30,22 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from bench.armt_real_model import load_armt
+from bench.armt_real_model import load_armt, parse_lengths
 from bench.common import environment, plot_path, save_plot, subplots, use_quick_results, write_result
 from jaxlongctx.armt.segments import Segments
 from jaxlongctx.armt.sentences import make_segmenter
 from jaxlongctx.data.haystack import CODE_DIGITS, chat_frame, eval_seed
 from jaxlongctx.train.armt_finetune import answer_logits, haystack_batch
+from jaxlongctx.train.chat_accuracy import code_position
 from jaxlongctx.train.evaluate import exact_match_interval
 
 BATCH = 2
 QUICK = {"lengths": [512], "samples": 2}
-
-
-def code_position(ids: np.ndarray, code: np.ndarray) -> int:
-    """Where the asked code's digits first appear in a prompt `ids [T]`."""
-    windows = np.lib.stride_tricks.sliding_window_view(ids, len(code))
-    return int(np.flatnonzero((windows == code).all(axis=1))[0])
 
 
 def probe_length(armt: Any, tokens: int, samples: int) -> dict[str, Any]:
@@ -149,11 +144,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--samples must be >= 1, got {args.samples}")
     use_quick_results(args.quick)
     try:
-        lengths = QUICK["lengths"] if args.quick else [int(n) for n in args.lengths.split(",")]
-    except ValueError:
-        p.error(f"--lengths takes comma-separated token counts, got {args.lengths!r}")
-    if min(lengths) < 1:
-        p.error(f"--lengths must be positive, got {args.lengths!r}")
+        lengths = QUICK["lengths"] if args.quick else parse_lengths(args.lengths, "--lengths")
+    except ValueError as e:
+        p.error(str(e))
     samples = QUICK["samples"] if args.quick else args.samples
     payload: dict[str, Any] = {
         "name": args.name,

@@ -114,10 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    lengths = _lengths(args.lengths, "--lengths")
+    lengths = parse_lengths(args.lengths, "--lengths")
     if args.samples < 1 or args.sequential_samples < 0:
         raise ValueError("--samples must be >= 1 and --sequential-samples >= 0")
-    check_lengths = args.sequential_lengths and _lengths(args.sequential_lengths, "--sequential-lengths")
+    check_lengths = args.sequential_lengths and parse_lengths(args.sequential_lengths, "--sequential-lengths")
     if check_lengths and not set(check_lengths) <= set(lengths):
         raise ValueError(f"--sequential-lengths {check_lengths} must be among --lengths {lengths}")
     armt, model_info = load_armt(Path(args.model), args.base_dtype)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
-def _lengths(text: str, name: str) -> list[int]:
+def parse_lengths(text: str, name: str) -> list[int]:
     """Comma-separated positive integers, sorted."""
     try:
         values = sorted({int(x) for x in text.split(",") if x.strip()})

@@ -129,12 +129,17 @@ def armt_digit_logits(armt: Any, schedule: str, chunk_segments: int = PREFIX_CHU
     return logits
 
 
+def code_position(prompt: np.ndarray, code: np.ndarray) -> int:
+    """Where the asked code's digit tokens `code [CODE_DIGITS]` first appear in `prompt [T]`."""
+    windows = np.lib.stride_tricks.sliding_window_view(prompt, len(code))
+    return int(np.flatnonzero((windows == code).all(axis=1))[0])
+
+
 def fact_in_window(armt: Any, item: RetrievalItem) -> dict[str, Any]:
     """Where `item`'s fact lies for an `ARMTModel` reading it as `armt_digit_logits` does: the code's
     first token in the prompt, the start of the decoding window, and whether the fact is inside the
     window (answerable by attention there) rather than before it (only through the memory)."""
-    windows = np.lib.stride_tricks.sliding_window_view(item.prompt, CODE_DIGITS)
-    at = int(np.flatnonzero((windows == item.answer_ids).all(axis=1))[0])
+    at = code_position(item.prompt, item.answer_ids)
     ids, prompt_length = teacher_forced(item)
     opens, _ = window_starts(armt, ids[None], np.array([prompt_length]))
     return {"code_position": at, "window_start": int(opens[0]), "fact_in_window": at >= int(opens[0])}
