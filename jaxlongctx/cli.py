@@ -193,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxlongctx.commands.calibrate import add_calibrate_arguments
     from jaxlongctx.commands.chat import add_chat_arguments
     from jaxlongctx.commands.eval_ppl import add_eval_kv_arguments, add_eval_ppl_arguments
+    from jaxlongctx.commands.export_armt import add_export_armt_arguments
     from jaxlongctx.commands.train_armt import add_train_armt_arguments
     from jaxlongctx.commands.train_lm import add_train_lm_arguments
 
@@ -320,6 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
             "(pq, int4, int2) to measure the cache's quality loss.",
             (add_eval_ppl_arguments, add_eval_kv_arguments),
             "jaxlongctx.commands.eval_ppl:run_eval_kv",
+        ),
+        (
+            "export-armt",
+            "write an ARMT fine-tune as a small memory checkpoint naming its base",
+            "A full ARMT checkpoint whose base was trained with the memory becomes a memory checkpoint that "
+            "names the untouched base (fingerprint checked on load) and stores the base's change as rank-r "
+            "factors per weight matrix: a few tens of MB instead of the base's weights.",
+            (add_export_armt_arguments,),
+            "jaxlongctx.commands.export_armt:run_export_armt",
         ),
         (
             "train-lm",

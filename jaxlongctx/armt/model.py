@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jaxlongctx.armt.stream as stream
+from jaxlongctx.armt.base_adapter import adapter_bytes, apply_adapter, restore_adapter, write_adapter
 from jaxlongctx.armt.base_reference import BaseReference, load_referenced_base
 from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.cpu_execution import CPUExecution, diagonal_pays_off
@@ -295,20 +296,28 @@ class ARMTModel(OwnMemoryModel):
         *,
         overwrite: bool = False,
         base_reference: BaseReference | None = None,
+        base_adapter: dict[str, dict[str, np.ndarray]] | None = None,
         training_record: dict[str, Any] | None = None,
     ) -> Path:
         """Save the memory parameters, the ARMT config and the segmentation (loading restores it)
         atomically, with the base weights (our checkpoint layout, loadable as a plain model) and the
         tokenizer (if any); or, given `base_reference` (the base this model's weights are, see
-        `jaxlongctx.armt.base_reference`), a memory-only checkpoint that names its base instead.
+        `jaxlongctx.armt.base_reference`), a memory-only checkpoint that names its base instead, with
+        `base_adapter` (see `jaxlongctx.armt.base_adapter`) when this model's base is that base changed.
         `training_record` (how the model was trained) goes to training.json."""
-        extra = {
+        if base_adapter is not None and base_reference is None:
+            raise ValueError("a base adapter changes a referenced base: pass base_reference too")
+        extra: dict[str, Any] = {
             "armt": self.armt.to_dict(),
             "segmentation": self.segmentation,
             "memory_dtype": str(self.memory.memory[...].dtype),
         }
+        if base_adapter is not None:
+            extra["base_adapter"] = {"tensors": len(base_adapter), "bytes": adapter_bytes(base_adapter)}
         with atomic_directory(path, overwrite=overwrite) as tmp:
             write_memory(tmp, self.memory)
+            if base_adapter is not None:
+                write_adapter(tmp, base_adapter)
             if training_record is not None:
                 (tmp / "training.json").write_text(json.dumps(training_record, indent=2) + "\n")
             if base_reference is not None:
@@ -349,6 +358,13 @@ class ARMTModel(OwnMemoryModel):
             reference = BaseReference.from_dict(meta["base"])
             base_model = load_referenced_base(path, reference, config, load_base, dtype, mesh)
             base, tokenizer = base_model.module, base_model.tokenizer
+            if "base_adapter" in meta:
+                graphdef, state = nnx.split(base)
+                params = apply_adapter(nnx.to_pure_dict(state), restore_adapter(path), path)
+                nnx.replace_by_pure_dict(state, params)
+                base = nnx.merge(graphdef, state)
+        elif "base_adapter" in meta:
+            raise CheckpointError(f"{path}: a base adapter without the base it changes (no 'base' entry)")
         else:
             base = load_module(path, dtype, None if mesh is None else param_shardings(config, mesh))
         memory = restore_memory(path, config, armt, memory_dtype, dtype, mesh)

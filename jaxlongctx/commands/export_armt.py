@@ -1,0 +1,92 @@
+"""`jaxlongctx export-armt`: a full ARMT checkpoint whose base was trained with the memory, written as a
+small memory checkpoint that names the untouched base and stores the base's change as a low-rank
+adapter (`jaxlongctx.armt.base_adapter`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlongctx.armt.base_adapter import adapter_bytes, fit_base_adapter
+from jaxlongctx.armt.base_reference import SMOLLM2_NAME, describe_base, resolve_base_argument
+from jaxlongctx.armt.model import ARMTModel
+from jaxlongctx.loading import load
+from jaxlongctx.output_dir import check_output
+
+DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+
+
+def add_export_armt_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `jaxlongctx export-armt`."""
+    parser.add_argument("--model", required=True, help="full ARMT checkpoint (base weights inside)")
+    parser.add_argument(
+        "--base", required=True, help=f"the base it was fine-tuned from ('{SMOLLM2_NAME}' or a path)"
+    )
+    parser.add_argument("--out", required=True, help="output memory checkpoint directory")
+    parser.add_argument(
+        "--rank", type=int, default=32, help="rank of each weight matrix's change (default 32)"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bf16", help="adapter dtype (default bf16)"
+    )
+    parser.add_argument("--overwrite", action="store_true")
+
+
+def export_armt(
+    model: str | Path, base: str | Path, out: str | Path, rank: int, dtype: Any, overwrite: bool = False
+) -> dict[str, Any]:
+    """Write the full ARMT checkpoint `model` as a memory checkpoint at `out` naming `base`, with a
+    rank-`rank` base adapter in `dtype`; returns what was recorded of the export (also in the output's
+    training.json, after the source's training runs)."""
+    if rank < 1:
+        raise ValueError(f"--rank must be >= 1, got {rank}")
+    out = check_output(out, overwrite=overwrite, inputs=[model])
+    armt = load(model)
+    if not isinstance(armt, ARMTModel):
+        raise ValueError(f"--model {model}: holds a {type(armt).__name__}, not an ARMT model")
+    if armt.base_reference is not None:
+        raise ValueError(f"--model {model}: already a memory checkpoint naming its base")
+    base_path = resolve_base_argument(base)
+    reference = describe_base(base_path)
+    base_model = load(base_path, armt.dtype)
+    if base_model.config != armt.config:
+        raise ValueError(f"--base {base}: its model config differs from the ARMT model's base")
+    print(f"fitting rank-{rank} changes of {armt.config.num_layers} layers ...", flush=True)
+    adapter, report = fit_base_adapter(
+        nnx.to_pure_dict(armt.base.params), nnx.to_pure_dict(base_model.params), rank, dtype
+    )
+    source = Path(model) / "training.json"
+    record = json.loads(source.read_text()) if source.is_file() else {}
+    export = {
+        "source": str(Path(model).absolute()),
+        "base": reference.to_dict(),
+        "rank": rank,
+        "dtype": str(jnp.dtype(dtype)),
+        "adapter_bytes": adapter_bytes(adapter),
+        "tensors": report,
+    }
+    record["export"] = export
+    armt.save(
+        out, overwrite=overwrite, base_reference=reference, base_adapter=adapter, training_record=record
+    )
+    return export
+
+
+def run_export_armt(args: argparse.Namespace) -> int:
+    """Export, then print the adapter's size and how much of each change the rank keeps."""
+    export = export_armt(args.model, args.base, args.out, args.rank, DTYPES[args.dtype], args.overwrite)
+    for row in export["tensors"]:
+        print(
+            f"  {row['name']:<24} {tuple(row['shape'])!s:<20} {row['kind']:<8} "
+            f"relative error {row['relative_error']:.3f}"
+        )
+    print(
+        f"wrote {args.out}: {len(export['tensors'])} changed tensors, adapter "
+        f"{export['adapter_bytes'] / 2**20:.1f} MiB, base {export['base']['where']}"
+    )
+    return 0
