@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -23,6 +24,7 @@ from jaxlongctx.armt.config import ARMTConfig
 from jaxlongctx.armt.cpu_execution import CPUExecution
 from jaxlongctx.cache_choice import ARMTMemory
 from jaxlongctx.checkpoint import save_model
+from jaxlongctx.commands.export_armt import export_armt
 from jaxlongctx.commands.train_armt import add_train_armt_arguments, prepare_train_armt, run_train_armt
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.data.chat_retrieval import retrieval_set
@@ -173,6 +175,16 @@ def test_training_checkpoint_of_a_run_that_trained_the_base_loads_base_and_memor
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     for name, value in memory.items():
         np.testing.assert_array_equal(np.asarray(getattr(armt.memory, name)[...]), np.asarray(value))
+
+    # the checkpoint exports to a memory checkpoint naming the untouched base (every change kept whole)
+    step_dir = tmp_path / "run/checkpoints/step_00000000"
+    export = export_armt(step_dir, base_dir, tmp_path / "memory", rank=10**6, dtype=jnp.float32)
+    assert {row["kind"] for row in export["tensors"]} == {"whole"}
+    exported = jaxlongctx.load(tmp_path / "memory")
+    for got, want in zip(jax.tree.leaves(exported.params), jax.tree.leaves(armt.params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+    (run,) = json.loads((tmp_path / "memory/training.json").read_text())["runs"]
+    assert run["training_checkpoint"] == str(step_dir) and run["step"] == 0
 
 
 @pytest.mark.slow
