@@ -325,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
         (
             "export-armt",
             "write an ARMT fine-tune as a small memory checkpoint naming its base",
-            "A full ARMT checkpoint whose base was trained with the memory becomes a memory checkpoint that "
+            "An ARMT fine-tune whose base was trained with the memory (a full checkpoint or a train-armt "
+            "training checkpoint) becomes a memory checkpoint that "
             "names the untouched base (fingerprint checked on load) and stores the base's change as rank-r "
             "factors per weight matrix: a few tens of MB instead of the base's weights.",
             (add_export_armt_arguments,),

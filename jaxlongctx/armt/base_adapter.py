@@ -18,31 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import traverse_util
 
 from jaxlongctx.checkpoint import CheckpointError
 
 ADAPTER_DIR = "base_adapter"
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`{"layers/wq": array, ...}` of a nested parameter dict."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        out.update(_flat(value, name + "/") if isinstance(value, dict) else {name: value})
-    return out
-
-
-def _nested(flat: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of `_flat`."""
-    out: dict[str, Any] = {}
-    for name, value in flat.items():
-        *parents, leaf = name.split("/")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
 
 
 def fit_base_adapter(
@@ -53,9 +33,11 @@ def fit_base_adapter(
     `|delta - stored| / |delta|` (float32, before the cast to `dtype`)."""
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
-    flat_tuned, flat_base = _flat(tuned), _flat(base)
+    flat_tuned, flat_base = (traverse_util.flatten_dict(t, sep="/") for t in (tuned, base))
     if flat_tuned.keys() != flat_base.keys():
-        raise ValueError(f"tuned and base parameters differ in names: {sorted(flat_tuned ^ flat_base)}")
+        raise ValueError(
+            f"tuned and base parameters differ in names: {sorted(flat_tuned.keys() ^ flat_base.keys())}"
+        )
     adapter: dict[str, dict[str, np.ndarray]] = {}
     report: list[dict[str, Any]] = []
     for name in sorted(flat_tuned):
@@ -129,7 +111,7 @@ def apply_adapter(
     """`base` (nested parameter dict) with the adapter's changes added in float32 and cast back to each
     tensor's dtype, on its sharding; a CheckpointError (naming `where`) for a tensor the base lacks or a
     shape it does not have."""
-    flat = _flat(base)
+    flat = traverse_util.flatten_dict(base, sep="/")
     unknown = sorted(set(adapter) - set(flat))
     if unknown:
         raise CheckpointError(f"{where}: the base adapter changes tensors the base does not have: {unknown}")
@@ -137,4 +119,4 @@ def apply_adapter(
         x = flat[name]
         changed = (x.astype(jnp.float32) + _change(name, entry, x.shape, where)).astype(x.dtype)
         flat[name] = jax.device_put(changed, x.sharding) if hasattr(x, "sharding") else changed
-    return _nested(flat)
+    return traverse_util.unflatten_dict(flat, sep="/")

@@ -48,6 +48,13 @@ from jaxlongctx.tokenizer import ChatTokenizer
 from jaxlongctx.validation import check_ids, check_mask, check_positive_int
 
 SCHEDULES = stream.SCHEDULES
+TRAINING_RECORD = "training.json"  # how a saved ARMT model was trained (see `ARMTModel.save`)
+
+
+def saved_training_record(directory: str | Path) -> dict[str, Any]:
+    """The training record an ARMT save wrote in `directory` (its `runs`, ...); {} without one."""
+    file = Path(directory) / TRAINING_RECORD
+    return json.loads(file.read_text()) if file.is_file() else {}
 
 
 class ARMTModel(OwnMemoryModel):
@@ -319,7 +326,7 @@ class ARMTModel(OwnMemoryModel):
             if base_adapter is not None:
                 write_adapter(tmp, base_adapter)
             if training_record is not None:
-                (tmp / "training.json").write_text(json.dumps(training_record, indent=2) + "\n")
+                (tmp / TRAINING_RECORD).write_text(json.dumps(training_record, indent=2) + "\n")
             if base_reference is not None:
                 write_metadata(
                     tmp, self.config, extra["memory_dtype"], {**extra, "base": base_reference.to_dict()}

@@ -6,7 +6,6 @@ that names the untouched base and stores the base's change as a low-rank adapter
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from flax import nnx
 
 from jaxlongctx.armt.base_adapter import adapter_bytes, fit_base_adapter
 from jaxlongctx.armt.base_reference import SMOLLM2_NAME, describe_base, resolve_base_argument
-from jaxlongctx.armt.model import ARMTModel
+from jaxlongctx.armt.model import ARMTModel, saved_training_record
 from jaxlongctx.loading import load
 from jaxlongctx.output_dir import check_output
 from jaxlongctx.train.armt_training_checkpoint import (
@@ -55,8 +54,8 @@ def export_armt(
     model: str | Path, base: str | Path, out: str | Path, rank: int, dtype: Any, overwrite: bool = False
 ) -> dict[str, Any]:
     """Write the full ARMT checkpoint or training checkpoint `model` as a memory checkpoint at `out`
-    naming `base`, with a rank-`rank` base adapter and the memory in `dtype`; returns what was recorded of the export (also in the output's
-    training.json, after the source's training runs)."""
+    naming `base`, with a rank-`rank` base adapter and the memory in `dtype`; returns what was recorded
+    of the export (also in the output's training.json, after the source's training runs)."""
     if rank < 1:
         raise ValueError(f"--rank must be >= 1, got {rank}")
     out = check_output(out, overwrite=overwrite, inputs=[model])
@@ -68,8 +67,7 @@ def export_armt(
             raise ValueError(f"--model {model}: holds a {type(armt).__name__}, not an ARMT model")
         if armt.base_reference is not None:
             raise ValueError(f"--model {model}: already a memory checkpoint naming its base")
-        source = Path(model) / "training.json"
-        record = json.loads(source.read_text()) if source.is_file() else {}
+        record = saved_training_record(model)
     base_path = resolve_base_argument(base)
     reference = describe_base(base_path)
     base_model = load(base_path, armt.dtype)
@@ -101,8 +99,7 @@ def checkpoint_record(path: str | Path) -> dict[str, Any]:
     far as the checkpoint got (step, settings, wall time, loss)."""
     trainer = training_record(path)
     settings, history = trainer.get("hyperparams", {}), trainer.get("history", {})
-    previous = Path(settings["init"]) / "training.json" if settings.get("init") else None
-    record = json.loads(previous.read_text()) if previous is not None and previous.is_file() else {}
+    record = saved_training_record(settings["init"]) if settings.get("init") else {}
     run = {
         "training_checkpoint": str(Path(path).absolute()),
         "step": trainer.get("step"),

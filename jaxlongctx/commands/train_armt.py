@@ -16,7 +16,7 @@ import jax
 
 from jaxlongctx.armt.base_reference import SMOLLM2_NAME, BaseReference, describe_base, resolve_base_argument
 from jaxlongctx.armt.config import ARMTConfig
-from jaxlongctx.armt.model import ARMTModel
+from jaxlongctx.armt.model import ARMTModel, saved_training_record
 from jaxlongctx.armt.sentences import SEGMENTATIONS
 from jaxlongctx.cli_options import add_model_argument
 from jaxlongctx.data.corpus import SPLITS
@@ -419,8 +419,7 @@ def _save(
 ) -> None:
     """Write `--save`: memory-only (naming `reference`) when the base was frozen, else base and memory
     in `--save-dtype`; its training.json holds `--init`'s runs and then this one (`summary`)."""
-    previous = Path(args.init) / "training.json" if args.init else None
-    record = json.loads(previous.read_text()) if previous is not None and previous.is_file() else {}
+    record = saved_training_record(args.init) if args.init else {}
     record = {**record, "runs": [*record.get("runs", []), summary]}
     segmentation = armt.segmentation
     if reference is not None:
