@@ -50,8 +50,13 @@ def time_row(model: Any, tokens: Any, ds: int, granularity: str, seq_len: int, m
     seconds = time.perf_counter() - start
     row = {"ds": ds, "granularity": granularity, "seconds": seconds, "load_average_before": before}
     row["load_average_after"] = os.getloadavg()[0]
-    row["calibration_tokens"] = cb.metadata.get("calibration_tokens")
-    print(f"ds {ds} {granularity:<10} {seconds:7.1f} s (load {before:.1f})", flush=True)
+    for field in ("calibration_tokens", "iters_run", "key_mse", "value_mse"):  # what the time bought
+        row[field] = cb.metadata.get(field)
+    print(
+        f"ds {ds} {granularity:<10} {seconds:7.1f} s (load {before:.1f}), {row['iters_run']} iterations, "
+        f"k/v error {row['key_mse']:.4g} / {row['value_mse']:.4g}",
+        flush=True,
+    )
     return row
 
 

@@ -21,6 +21,7 @@ def test_rows_time_each_granularity_and_plot(tmp_path, monkeypatch):
     rows = [pq_calibration_time.time_row(model, tokens, 2, g, 64, 512) for g in GRANULARITIES]
     assert [r["granularity"] for r in rows] == list(GRANULARITIES)
     assert all(r["seconds"] > 0 and r["calibration_tokens"] == 512 for r in rows)
+    assert all(r["iters_run"] >= 1 and r["key_mse"] > 0 and r["value_mse"] > 0 for r in rows)
     path = pq_calibration_time.plot({"rows": rows}, "pq_calibration_time")
     assert (
         path == str(tmp_path / "pq_calibration_time.png") and (tmp_path / "pq_calibration_time.png").is_file()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 from pathlib import Path
@@ -23,7 +24,24 @@ from jaxlongctx.kvcache import (
     train_codebooks,
 )
 from jaxlongctx.kvcache import codebooks as codebooks_module
-from jaxlongctx.kvcache.kmeans import _lloyd_step
+from jaxlongctx.kvcache.kmeans import _assign, _lloyd_step
+from pallas_kernels import kmeans_assign_cpu
+
+kmeans_module = importlib.import_module(
+    "jaxlongctx.kvcache.kmeans"
+)  # the package exports the function as `kmeans`
+
+
+@pytest.fixture(params=[True, False], ids=["native", "xla"])
+def native(request, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run a k-means test through the C++ assignment kernel and through the XLA path."""
+    if request.param:
+        error = kmeans_assign_cpu.native_kernel_error()
+        if error is not None and error.startswith("no C++ compiler"):
+            pytest.skip(error)  # only where no compiler exists; a failed build fails the test
+        assert error is None, error
+    monkeypatch.setattr(kmeans_module, "use_native_kernel", lambda: request.param)
+    return request.param
 
 
 def _brute_force_codes(x: np.ndarray, cent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -95,7 +113,7 @@ def _non_increasing(history: np.ndarray) -> bool:
 
 
 @pytest.mark.parametrize("init", ["random", "kmeans++"])
-def test_kmeans_objective_never_increases(init: str) -> None:
+def test_kmeans_objective_never_increases(init: str, native: bool) -> None:
     x = jax.random.normal(jax.random.key(0), (3, 2000, 2)) * jnp.array([1.0, 5.0])
     cent, hist = kmeans(x, 32, 12, key=jax.random.key(1), init=init)
     assert cent.shape == (3, 32, 2) and hist.shape == (3, 13)
@@ -103,7 +121,7 @@ def test_kmeans_objective_never_increases(init: str) -> None:
     assert np.all(np.asarray(hist[:, -1]) < 0.8 * np.asarray(hist[:, 0]))
 
 
-def test_kmeans_empty_clusters_from_duplicates() -> None:
+def test_kmeans_empty_clusters_from_duplicates(native: bool) -> None:
     # 6 distinct points (3 with a little spread), each repeated: random init picks duplicate
     # centroids, whose clusters then go empty and must be re-seeded.
     rng = np.random.default_rng(3)
@@ -118,7 +136,7 @@ def test_kmeans_empty_clusters_from_duplicates() -> None:
     assert d.max() < 0.1
 
 
-def test_kmeans_split_reseeds_empty_clusters() -> None:
+def test_kmeans_split_reseeds_empty_clusters(native: bool) -> None:
     # Start with a duplicated centroid and one far away: both go empty and get split off the blob.
     x = jax.random.normal(jax.random.key(2), (1, 600, 2))
     mean = jnp.mean(x, axis=1)
@@ -126,7 +144,7 @@ def test_kmeans_split_reseeds_empty_clusters() -> None:
     rms = jnp.sqrt(jnp.mean(x**2, axis=(1, 2)))
     objectives = []
     for _ in range(12):
-        cent, obj = _lloyd_step(x, cent, rms)
+        cent, obj = _lloyd_step(x, cent, rms, native)
         objectives.append(float(obj[0]))
     assert all(b <= a * (1 + 1e-6) for a, b in itertools.pairwise(objectives))
     assert objectives[-1] < 0.6 * objectives[0]  # three clusters in use, not one
@@ -147,16 +165,44 @@ def test_kmeans_recovers_separated_clusters() -> None:
         assert dist.min(1).max() < 0.05  # every true center has a centroid on it
 
 
-def test_tiled_assignment_equals_brute_force() -> None:
-    from jaxlongctx.kvcache.kmeans import _assign
-
-    x = jax.random.normal(jax.random.key(8), (3, 1000, 4))  # 1000 points: several tiles and a ragged last one
-    cent = jax.random.normal(jax.random.key(9), (3, 40, 4))
-    assign, counts, _sums, sse = _assign(x, cent)
-    d = np.sum((np.asarray(x)[:, :, None] - np.asarray(cent)[:, None]) ** 2, axis=-1)  # [P, n, k]
-    np.testing.assert_array_equal(np.asarray(assign), d.argmin(-1))
+@pytest.mark.parametrize("ds", [1, 2, 3, 4])
+def test_tiled_assignment_equals_brute_force(ds: int, native: bool) -> None:
+    # 1000 points: several tiles or kernel blocks and a ragged last one; ds 3 is the kernel's generic path.
+    # 70 problems: more than one XLA tile of problems.
+    x = jax.random.normal(jax.random.key(8), (70, 1000, ds))
+    cent = jax.random.normal(jax.random.key(9), (70, 40, ds))
+    rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=(1, 2)))
+    assign, counts, sums, sse, gain = jax.jit(_assign, static_argnums=3)(x, cent, rms, native)
+    xs = np.asarray(x, np.float64)
+    d = np.sum((xs[:, :, None] - np.asarray(cent, np.float64)[:, None]) ** 2, axis=-1)  # [P, n, k]
+    picked = np.take_along_axis(d, np.asarray(assign)[..., None].astype(np.int64), -1)[..., 0]
+    assert np.all(picked <= d.min(-1) * (1 + 1e-5) + 1e-6)  # a nearest centroid (ties within rounding)
+    assert np.mean(np.asarray(assign) == d.argmin(-1)) > 0.9999
     np.testing.assert_allclose(np.asarray(sse), d.min(-1).sum(-1), rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(counts).sum(-1), 1000)
+    one_hot = np.asarray(assign)[..., None] == np.arange(40)  # [P, n, k]
+    np.testing.assert_array_equal(np.asarray(counts), one_hot.sum(1))
+    np.testing.assert_allclose(np.asarray(sums), np.einsum("pnk,pnd->pkd", one_hot, xs), rtol=1e-5, atol=1e-4)
+    if native:  # the kernel's split gains equal the XLA formula's
+        means = jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1.0)[..., None], cent)
+        alternating = jnp.where(jnp.arange(ds) % 2 == 0, 1.0, -1.0)
+        delta = kmeans_module.SPLIT_EPS * (jnp.abs(means) + rms[:, None, None]) * alternating
+        want = kmeans_module._split_gain(x, assign, means, delta)
+        np.testing.assert_allclose(np.asarray(gain), np.asarray(want), rtol=1e-4, atol=1e-7)
+    else:
+        assert gain is None
+
+
+def test_native_and_xla_kmeans_agree() -> None:
+    """The same codebooks through either assignment path (same sample, same initial centroids)."""
+    if kmeans_assign_cpu.native_kernel_error() is not None:
+        pytest.skip(kmeans_assign_cpu.native_kernel_error())
+    x = jax.random.normal(jax.random.key(11), (4, 3000, 2)) * jnp.array([1.0, 3.0])
+    rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=(1, 2)))
+    a = b = x[:, :64]
+    for _ in range(8):
+        (a, obj_a), (b, obj_b) = _lloyd_step(x, a, rms, True), _lloyd_step(x, b, rms, False)
+        np.testing.assert_allclose(np.asarray(obj_a), np.asarray(obj_b), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
 def test_kmeans_stops_at_convergence() -> None:
