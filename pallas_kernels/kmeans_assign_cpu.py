@@ -8,7 +8,8 @@ intra-op pool: 16 points per vector, 128 points per pass over the centroids (the
 in registers), then the cluster sizes, coordinate sums and the split gains k-means needs to re-seed
 an empty cluster (`jaxlongctx.kvcache.kmeans`). Built and cached like the other CPU
 kernels (`pallas_kernels.native_build`); without a compiler `native_kernel_error()` says why and
-k-means keeps its XLA path.
+k-means keeps its XLA path. PQ encoding (`jaxlongctx.kvcache.pq_codec`) uses it for its nearest-centroid
+search too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ TARGET = "jaxlongctx_kmeans_assign"
 def native_kernel_error() -> str | None:
     """Build and register the CPU kernel once per process; None on success, else why it is unavailable."""
     return native_build.build_and_register(SOURCE, "KmeansAssign", TARGET)
+
+
+def use_native_kernel() -> bool:
+    """Whether nearest-centroid searches run in this kernel: on CPU, when it builds."""
+    return jax.default_backend() == "cpu" and native_kernel_error() is None
 
 
 def kmeans_assign_native(

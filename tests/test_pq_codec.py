@@ -40,7 +40,7 @@ def native(request, monkeypatch: pytest.MonkeyPatch) -> bool:
         if error is not None and error.startswith("no C++ compiler"):
             pytest.skip(error)  # only where no compiler exists; a failed build fails the test
         assert error is None, error
-    monkeypatch.setattr(kmeans_module, "use_native_kernel", lambda: request.param)
+    monkeypatch.setattr(kmeans_assign_cpu, "use_native_kernel", lambda: request.param)
     return request.param
 
 
@@ -60,7 +60,7 @@ def _assert_nearest(codes: np.ndarray, x: np.ndarray, cent: np.ndarray) -> None:
     assert np.mean(codes.reshape(ref.shape) == ref) > 0.999
 
 
-def test_encode_matches_brute_force_shared() -> None:
+def test_encode_matches_brute_force_shared(native: bool) -> None:
     rng = np.random.default_rng(0)
     cent = rng.normal(size=(4, 256, 4)).astype(np.float32)  # M=4, C=256, ds=4 -> D=16
     x = rng.normal(size=(2, 37, 16)).astype(np.float32)
@@ -69,7 +69,7 @@ def test_encode_matches_brute_force_shared() -> None:
     _assert_nearest(np.asarray(codes).reshape(-1, 4), x.reshape(-1, 16), cent)
 
 
-def test_encode_matches_brute_force_per_head() -> None:
+def test_encode_matches_brute_force_per_head(native: bool) -> None:
     rng = np.random.default_rng(1)
     kv, m, c, ds = 3, 8, 16, 2
     cent = rng.normal(size=(kv, m, c, ds)).astype(np.float32)
@@ -373,7 +373,7 @@ def test_cache_bytes_arithmetic() -> None:
     assert cache_bytes(100, 1, 1, d, 2, 8, r)["codes_bytes"] == 0  # all tokens still in the window
 
 
-def test_wide_codes_are_uint16_nearest_and_roundtrip() -> None:
+def test_wide_codes_are_uint16_nearest_and_roundtrip(native: bool) -> None:
     """10-bit codes (1,024 centroids): uint16 codes, the nearest centroid, decode/re-encode stable."""
     rng = np.random.default_rng(3)
     cent = rng.normal(size=(2, 1024, 4)).astype(np.float32)  # M=2, C=1024, ds=4 -> D=8

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from pallas_kernels.kmeans_assign_cpu import kmeans_assign_native, native_kernel_error
+from pallas_kernels import kmeans_assign_cpu
+from pallas_kernels.kmeans_assign_cpu import kmeans_assign_native
 
 # Relative size of the perturbation used when a large cluster is split to fill an empty one.
 SPLIT_EPS = 1.0 / 1024
@@ -28,11 +29,6 @@ def _segment_sum(vals: jax.Array, ids: jax.Array, k: int) -> jax.Array:
 # sweeping all points per centroid, 2.5x faster than tiles of every problem at once when P is large).
 _TILE_ELEMENTS = 1 << 15
 _TILE_PROBLEMS = 64
-
-
-def use_native_kernel() -> bool:
-    """Whether the assignment step runs in the C++ CPU kernel (on CPU, when it builds)."""
-    return jax.default_backend() == "cpu" and native_kernel_error() is None
 
 
 def _nearest(coords: list[jax.Array], cent: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -194,7 +190,7 @@ def kmeans(
     one update.
     Each problem is subsampled (same random points for all problems, deterministic given `key`) to at
     most max_points_per_centroid * k points. Memory is O(P * N * ds). The assignment step runs in
-    the C++ CPU kernel on CPU when it builds (`use_native_kernel`), else in XLA.
+    the C++ CPU kernel on CPU when it builds (`kmeans_assign_cpu.use_native_kernel`), else in XLA.
     """
     x = jnp.asarray(x)
     if x.ndim != 3:
@@ -221,7 +217,7 @@ def kmeans(
 
     if not tol >= 0:
         raise ValueError(f"tol must be >= 0, got {tol}")
-    native = use_native_kernel()
+    native = kmeans_assign_cpu.use_native_kernel()
     history = []
     bar = tqdm(range(iters), desc=f"k-means (P={p}, k={k})", disable=not progress)
     for _ in bar:
