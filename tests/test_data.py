@@ -172,6 +172,27 @@ def test_sample_structure(tok, length, num_facts):
         _check_sample(make_sample(seed, length, tok, num_facts=num_facts), tok, length, num_facts)
 
 
+def test_noun_renames_facts_and_question_and_keeps_the_codes(tok):
+    plain = make_sample(5, 1024, tok, num_facts=3)
+    named = make_sample(5, 1024, tok, num_facts=3, noun="secret number")
+    assert (named.subjects, named.codes, named.answer) == (plain.subjects, plain.codes, plain.answer)
+    assert named.ids.size == 1024 and named.noun == "secret number" and plain.noun == "code"
+    assert named.facts == tuple(
+        f" The secret number of the {s} is {c}." for s, c in zip(named.subjects, named.codes)
+    )
+    subject = named.subjects[named.target_fact]
+    assert (
+        named.question
+        == f"\nWhat is the secret number of the {subject}? The secret number of the {subject} is "
+    )
+    for fact in range(3):
+        start = int(named.fact_positions[fact]) + haystack.code_offset(named, fact, tok)
+        assert tok.decode(named.ids[start : start + CODE_DIGITS].tolist()) == named.codes[fact]
+    for bad in ("", "secret  number", "code 7", "secret\nnumber"):
+        with pytest.raises(ValueError, match="noun"):
+            make_sample(5, 1024, tok, noun=bad)
+
+
 def test_sample_is_deterministic(tok):
     a, b = make_sample(7, 2048, tok), make_sample(np.random.default_rng(7), 2048, tok)
     np.testing.assert_array_equal(a.ids, b.ids)

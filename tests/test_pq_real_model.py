@@ -81,6 +81,11 @@ def test_retrieval_set_is_deterministic_and_fits_its_context(smollm2_fp32):
     assert [x.depth for x in a] == [0.1, 0.3, 0.5]
     later = retrieval_set(tok, 1, 1024, first_index=3)[0]
     assert later.seed not in {x.seed for x in a}
+    named = retrieval_set(tok, 1, 1024, noun="secret number")[0]  # the same fact, renamed
+    assert named.answer == a[0].answer and named.prompt.size + named.answer_prefix.size + 4 <= 1024
+    assert "What is the secret number of the" in tok.decode([int(t) for t in named.prompt])
+    prefix = tok.decode([int(t) for t in named.answer_prefix])
+    assert prefix.startswith("The secret number of the") and prefix.endswith(" is ")
 
 
 @pytest.mark.slow

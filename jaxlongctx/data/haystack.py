@@ -58,6 +58,11 @@ TOKENS_BEFORE_CODE = 2  # " is", " ": between a fact's subject and its code (see
 FILLER_SPLIT = "validation"  # default filler: text the base model never trained on
 MAX_SHARED_WORD_FACTS = len(COLOURS) + len(OBJECTS) - 1  # the asked subject and all that share a word with it
 
+# What a fact calls its number. "code" is what every shipped ARMT model was trained on; a chat model
+# may read it as program code (SmolLM2-135M-Instruct answers many "code" questions with a ``` fence
+# and gets most of them right when the facts say "secret number" instead).
+DEFAULT_NOUN = "code"
+
 # Seeds below EVAL_SEED_BASE are for training, seeds from it on are held out for evaluation.
 SEED_SPACE = 2**31
 TRAIN_SEED_BASE = 0
@@ -78,6 +83,7 @@ class HaystackSample:
     subjects: tuple[str, ...]  # subject of each fact ("blue box"), in position order
     codes: tuple[str, ...]  # code of each fact, in position order
     filler_tokens: int  # how many of ids are filler (the rest is fixed by the seed)
+    noun: str = DEFAULT_NOUN  # what the facts call the number: "the code of the blue box"
 
 
 @dataclass(frozen=True)
@@ -114,20 +120,21 @@ def _check_seed_index(index: int) -> int:
     return index
 
 
-def fact_head_text(subject: str) -> str:
+def fact_head_text(subject: str, noun: str = DEFAULT_NOUN) -> str:
     """A fact's text up to its code: ``" The code of the blue box is "`` (its last tokens: " is", " ")."""
-    return f" The code of the {subject} is "
+    return f" The {noun} of the {subject} is "
 
 
-def question_text(subject: str) -> str:
+def question_text(subject: str, noun: str = DEFAULT_NOUN) -> str:
     """The question asking for the code of ``subject``; it ends right before the code."""
-    return f"\nWhat is the code of the {subject}? The code of the {subject} is "
+    return f"\nWhat is the {noun} of the {subject}? The {noun} of the {subject} is "
 
 
 def follow_up_ids(sample: HaystackSample, fact: int, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Tokens that continue a sample after an answer with one more question, about ``facts[fact]``:
     ``"." + question`` (int32 ``[Q]``), and that fact's code digits (int32 ``[CODE_DIGITS]``)."""
-    ids = np.concatenate([_encode(tokenizer, "."), _encode(tokenizer, question_text(sample.subjects[fact]))])
+    question = question_text(sample.subjects[fact], sample.noun)
+    ids = np.concatenate([_encode(tokenizer, "."), _encode(tokenizer, question)])
     return ids, _code_ids(tokenizer, sample.codes[fact])
 
 
@@ -220,6 +227,7 @@ def make_sample(
     target_depth: float | None = None,
     shared_word: bool = False,
     filler_split: str = FILLER_SPLIT,
+    noun: str = DEFAULT_NOUN,
 ) -> HaystackSample:
     """A retrieval prompt of exactly ``length_tokens`` tokens (same seed -> same sample).
 
@@ -228,7 +236,7 @@ def make_sample(
     ``shared_word`` makes every other fact a near miss: its subject shares the asked subject's
     colour or object ("blue box" among "blue jar", "red box"); by default subjects are random.
     ``filler_split`` names the corpus split the filler comes from; the facts, codes and question
-    depend on the seed alone.
+    depend on the seed alone. ``noun`` is what the facts and question call the code ("secret number").
     """
     most = MAX_SHARED_WORD_FACTS if shared_word else len(COLOURS) * len(OBJECTS)
     if not 1 <= num_facts <= most:
@@ -237,6 +245,7 @@ def make_sample(
         )
     if target_depth is not None and not 0.0 <= target_depth <= 1.0:
         raise ValueError(f"target_depth must be in [0, 1], got {target_depth}")
+    _check_noun(noun)
     rng = np.random.default_rng(rng_or_seed)
     stream = _filler_stream(tokenizer, filler_split)
 
@@ -246,11 +255,11 @@ def make_sample(
     codes = ["".join(map(str, rng.integers(0, 10, size=CODE_DIGITS))) for _ in subjects]
     period = _encode(tokenizer, ".")
     fact_ids = [
-        np.concatenate([_encode(tokenizer, fact_head_text(s)), _code_ids(tokenizer, c), period])
+        np.concatenate([_encode(tokenizer, fact_head_text(s, noun)), _code_ids(tokenizer, c), period])
         for s, c in zip(subjects, codes)
     ]
-    facts = [f"{fact_head_text(s)}{c}." for s, c in zip(subjects, codes)]
-    question = question_text(subjects[0])
+    facts = [f"{fact_head_text(s, noun)}{c}." for s, c in zip(subjects, codes)]
+    question = question_text(subjects[0], noun)
     question_ids = _encode(tokenizer, question)
 
     filler_size = length_tokens - 1 - sum(f.size for f in fact_ids) - question_ids.size
@@ -282,12 +291,19 @@ def make_sample(
         subjects=tuple(subjects[k] for k in order),
         codes=tuple(codes[k] for k in order),
         filler_tokens=int(filler_size),
+        noun=noun,
     )
+
+
+def _check_noun(noun: str) -> None:
+    """A noun for facts: words of letters and single spaces ("code", "secret number")."""
+    if not isinstance(noun, str) or not all(w.isalpha() for w in noun.split(" ")):
+        raise ValueError(f"noun must be words of letters separated by single spaces, got {noun!r}")
 
 
 def code_offset(sample: HaystackSample, fact: int, tokenizer: Tokenizer) -> int:
     """Offset of ``facts[fact]``'s first code digit from the fact's first token."""
-    return _encode(tokenizer, fact_head_text(sample.subjects[fact])).size
+    return _encode(tokenizer, fact_head_text(sample.subjects[fact], sample.noun)).size
 
 
 def asked_code_start(sample: HaystackSample, tokenizer: Tokenizer) -> int:
@@ -510,19 +526,19 @@ class ChatFrame:
     overhead: int  # most tokens a chat prompt has beyond its plain sample (over all subjects)
 
 
-def chat_question_text(subject: str) -> str:
+def chat_question_text(subject: str, noun: str = DEFAULT_NOUN) -> str:
     """The user's question about ``subject`` (after the document)."""
-    return f"\nWhat is the code of the {subject}?"
+    return f"\nWhat is the {noun} of the {subject}?"
 
 
-def answer_prefix_text(subject: str) -> str:
+def answer_prefix_text(subject: str, noun: str = DEFAULT_NOUN) -> str:
     """The assistant's words before the code digits; it ends as a fact's text does (" is ")."""
-    return f"The code of the {subject} is "
+    return f"The {noun} of the {subject} is "
 
 
-def chat_frame(tokenizer: Any) -> ChatFrame:
-    """The frame of ``tokenizer``'s chat template (a `ChatTokenizer`); a ValueError when it has none or
-    "\\n\\n" is not one token."""
+def chat_frame(tokenizer: Any, noun: str = DEFAULT_NOUN) -> ChatFrame:
+    """The frame of ``tokenizer``'s chat template (a `ChatTokenizer`) around facts that say ``noun``; a
+    ValueError when it has none or "\\n\\n" is not one token."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("chat haystacks need a tokenizer with a chat template (the model's own)")
     text = tokenizer.apply_chat_template([{"role": "user", "content": _DOCUMENT}], add_generation_prompt=True)
@@ -534,9 +550,9 @@ def chat_frame(tokenizer: Any) -> ChatFrame:
         raise ValueError(f'the tokenizer encodes "\\n\\n" as {document_break.size} tokens, not one')
     head, tail = _encode(tokenizer, before), _encode(tokenizer, after)
     extra = max(
-        _encode(tokenizer, chat_question_text(s)).size
-        + _encode(tokenizer, answer_prefix_text(s)).size
-        - _encode(tokenizer, question_text(s)).size
+        _encode(tokenizer, chat_question_text(s, noun)).size
+        + _encode(tokenizer, answer_prefix_text(s, noun)).size
+        - _encode(tokenizer, question_text(s, noun)).size
         for s in (f"{c} {o}" for c in COLOURS for o in OBJECTS)
     )
     return ChatFrame(head, tail, int(document_break[0]), head.size + tail.size - 1 + extra)
@@ -553,8 +569,8 @@ def chat_prompt(sample: HaystackSample, frame: ChatFrame, tokenizer: Any) -> np.
         [
             frame.head,
             document,
-            _encode(tokenizer, chat_question_text(subject)),
+            _encode(tokenizer, chat_question_text(subject, sample.noun)),
             frame.tail,
-            _encode(tokenizer, answer_prefix_text(subject)),
+            _encode(tokenizer, answer_prefix_text(subject, sample.noun)),
         ]
     )
