@@ -32,6 +32,7 @@ from bench.common import plot_path, save_plot, subplots, use_quick_results, writ
 
 RECENT = 128  # exact recent window (MILLION's R, KIVI's residual)
 SINKS = 4  # exact first tokens
+CALIBRATION_KEYS = ("calib_tokens", "kmeans_iters", "points_per_centroid")  # a run's k-means settings
 GROUP = 128  # KIVI group size
 
 
@@ -89,7 +90,8 @@ def pq(
 
 def ppl_settings(context: int) -> list[Setting]:
     """The rows of the perplexity table at `context`, most telling first (a time-boxed run keeps
-    those): every row at 2K; at 8K the baselines with their recent window and the main PQ rows."""
+    those): every row at 2K; at 8K the baselines with their recent window, the main PQ rows and the
+    per-head codebooks that keep 8K retrieval answers (`retrieval_settings`)."""
     best2, best4 = pq(2, "layer", "attention", SINKS, RECENT), pq(4, "layer", "attention", SINKS, RECENT)
     int4r = Setting(f"int4 g128 R{RECENT}", "int4", recent=RECENT)
     int2r = Setting(f"int2 g128 R{RECENT}", "int2", recent=RECENT)
@@ -112,7 +114,8 @@ def ppl_settings(context: int) -> list[Setting]:
     ]
     if context > 2048:  # an 8K window costs about 4x a 2K one; a wider exact window costs little there
         wider = [pq(4, "layer", "attention", SINKS, r, calib_window=w) for r in (2 * RECENT, 4 * RECENT)]
-        return rows + wider + [Setting(f"int2 g128 R{2 * RECENT}", "int2", recent=2 * RECENT)]
+        int2_wider = Setting(f"int2 g128 R{2 * RECENT}", "int2", recent=2 * RECENT)
+        return rows + wider + [int2_wider] + per_head_settings(w)
     return rows + [
         pq(2, "layer", "attention"),  # each improvement on its own
         pq(2, "layer", recent=RECENT),
@@ -127,17 +130,36 @@ def ppl_settings(context: int) -> list[Setting]:
     ]
 
 
+def per_head_settings(calib_window: int) -> list[Setting]:
+    """Per-layer-and-head ds 2 codebooks from `calib_window`-token windows: every token quantized; the
+    first 4 and last 128 tokens exact, together and each alone; 7- and 6-bit codes (at 8K their
+    codebooks cost 0.5 and 0.25 bits per element, 1.0 for 8-bit codes; codes stay a byte each, so they
+    store 4.5 and 4.25 bits in all, the 6-bit row as many as the int4 baseline); 6-bit codes with the
+    exact tokens (about 4.4 bits at 8K)."""
+    w = calib_window
+    return [
+        pq(2, "layer_head", calib_window=w),
+        pq(2, "layer_head", "none", SINKS, RECENT, calib_window=w),
+        pq(2, "layer_head", "none", SINKS, calib_window=w),
+        pq(2, "layer_head", "none", recent=RECENT, calib_window=w),
+        pq(2, "layer_head", bits=7, calib_window=w),
+        pq(2, "layer_head", bits=6, calib_window=w),
+        pq(2, "layer_head", "none", SINKS, RECENT, bits=6, calib_window=w),
+    ]
+
+
 def retrieval_settings(context: int) -> list[Setting]:
     """Dense, 4-bit PQ with every prompt token quantized and with the exact tokens of the perplexity
-    table's best setting (layer_head left out: its calibration is the slowest), each with codebooks
-    from 512-token and from `context`-token calibration windows, and the int4 baseline with and without
-    the recent window; the decoded tokens are exact in every cache."""
+    table's best setting, each with codebooks from 512-token and from `context`-token calibration
+    windows, the per-head rows of `per_head_settings`, and the int4 baseline with and without the
+    recent window; the decoded tokens are exact in every cache."""
     return [
         Setting("dense", "dense"),
         pq(2, "layer"),
         pq(2, "layer", "attention", SINKS, RECENT),
         pq(2, "layer", calib_window=context),
         pq(2, "layer", "attention", SINKS, RECENT, calib_window=context),
+        *per_head_settings(context),
         Setting("int4 g128", "int4"),
         Setting(f"int4 g128 R{RECENT}", "int4", recent=RECENT),
     ]
@@ -242,10 +264,16 @@ def load_now() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def shard_name(name: str, shard: tuple[int, int]) -> str:
-    """Result name of one shard of a run split over processes (`--part merge` combines them)."""
+def shard_name(name: str, shard: tuple[int, int], only: list[str] = (), first_item: int = 0) -> str:
+    """Result name of one shard of a run split over processes (`--part merge` combines them); a run
+    of `--only` some rows or settings, or of later retrieval items (`--first-item`), gets a name of
+    its own, so it adds to the full run's shards."""
+    import hashlib
+
     index, count = shard
-    return f"{name}_shard{index}of{count}"
+    tag = "_only" + hashlib.sha1("|".join(sorted(only)).encode()).hexdigest()[:8] if only else ""
+    later = f"_from{first_item}" if first_item else ""
+    return f"{name}_shard{index}of{count}{later}{tag}"
 
 
 def run_ppl(model: Any, store: CodebookStore, args: argparse.Namespace, config: dict) -> dict:
@@ -284,9 +312,9 @@ def run_ppl(model: Any, store: CodebookStore, args: argparse.Namespace, config: 
             )
             payload["config"]["calibration_seconds"] = store.seconds()
             payload["complete"] = False
-            write_result(shard_name(args.name, args.shard), payload)
+            write_result(shard_name(args.name, args.shard, args.only), payload)
     payload["complete"] = True
-    write_result(shard_name(args.name, args.shard), payload)
+    write_result(shard_name(args.name, args.shard, args.only), payload)
     return payload
 
 
@@ -297,13 +325,25 @@ def run_retrieval(model: Any, store: CodebookStore, args: argparse.Namespace, co
 
     index, count = args.shard
     items = retrieval_set(
-        model.tokenizer, args.samples, args.retrieval_context, num_facts=args.retrieval_facts
+        model.tokenizer,
+        args.samples,
+        args.retrieval_context,
+        first_index=args.first_item,
+        num_facts=args.retrieval_facts,
+        noun=args.retrieval_noun,
     )[index::count]
-    settings = retrieval_settings(args.retrieval_context)
+    settings = [s for s in retrieval_settings(args.retrieval_context) if not args.only or s.name in args.only]
+    if not settings:
+        raise SystemExit(f"--only names no retrieval setting: {args.only}")
     transforms: dict[str, Any] = {}  # made at first use, so the first prefill need not wait for codebooks
     bits: dict[str, float] = {}
     payload: dict[str, Any] = {
-        "config": {**config, "context": args.retrieval_context, "facts": args.retrieval_facts},
+        "config": {
+            **config,
+            "context": args.retrieval_context,
+            "facts": args.retrieval_facts,
+            "noun": args.retrieval_noun,
+        },
         "items": [],
     }
     for n, item in enumerate(items, 1):
@@ -337,7 +377,8 @@ def run_retrieval(model: Any, store: CodebookStore, args: argparse.Namespace, co
             f"({payload['items'][-1]['seconds']} s, load {load_now()})",
             flush=True,
         )
-        write_result(shard_name(args.name.replace("pq_real_model", "pq_real_retrieval"), args.shard), payload)
+        ret_name = args.name.replace("pq_real_model", "pq_real_retrieval")
+        write_result(shard_name(ret_name, args.shard, args.only, args.first_item), payload)
     return payload
 
 
@@ -362,6 +403,9 @@ def merge(name: str) -> dict:
         ppl_parts.append(json.loads(extra.read_text()))
     out: dict[str, Any] = {}
     if ppl_parts:
+        for part in ppl_parts:  # parts ran with different k-means settings: each row keeps its own
+            for r in (r for r in part["rows"] if r["kind"] == "pq"):
+                r["calibration"] = {k: part["config"][k] for k in CALIBRATION_KEYS if k in part["config"]}
         rows = list({(r["context"], r["name"]): r for part in ppl_parts[::-1] for r in part["rows"]}.values())
         order = {(c, s.name): i for c in (2048, 8192) for i, s in enumerate(ppl_settings(c))}
         rows.sort(key=lambda r: (r["context"], order.get((r["context"], r["name"]), 99)))
@@ -381,9 +425,14 @@ def merge(name: str) -> dict:
         _plot_ppl(rows, plot_path(name))
     ret_parts = parts(name.replace("pq_real_model", "pq_real_retrieval"))
     if ret_parts:
-        items = sorted((i for part in ret_parts for i in part["items"]), key=lambda i: i["seed"])
-        settings = ret_parts[0]["settings"]
+        items = _items_by_seed(ret_parts)
+        settings = list({s["name"]: s for part in ret_parts for s in part["settings"]}.values())
+        order = {s.name: i for i, s in enumerate(retrieval_settings(ret_parts[0]["config"]["context"]))}
+        settings.sort(key=lambda s: order.get(s["name"], len(order)))
+        # a setting counts on the items every part answered it on (an --only run may cover fewer)
+        settings = [s for s in settings if all(s["name"] in i["answers"] for i in items)]
         rows = []
+        dense_hits = [i["answers"]["dense"] == i["answer"] for i in items]
         for s in settings:
             hits = [i["answers"][s["name"]] == i["answer"] for i in items]
             depths = sorted({i["depth"] for i in items})
@@ -394,6 +443,10 @@ def merge(name: str) -> dict:
                     "samples": len(items),
                     "accuracy": sum(hits) / len(items),
                     "interval_95": exact_match_interval(sum(hits), len(items)),
+                    # paired with dense on the same items: the accuracy gap and where it comes from
+                    "points_vs_dense": 100.0 * (sum(hits) - sum(dense_hits)) / len(items),
+                    "right_where_dense_wrong": sum(h and not d for h, d in zip(hits, dense_hits)),
+                    "wrong_where_dense_right": sum(d and not h for h, d in zip(hits, dense_hits)),
                     "by_depth": {
                         str(d): [h for h, i in zip(hits, items) if i["depth"] == d].count(True)
                         / sum(i["depth"] == d for i in items)
@@ -410,8 +463,20 @@ def merge(name: str) -> dict:
             "complete": complete,
         }
         write_result(ret_name, out["retrieval"])
-        _plot_retrieval(rows, plot_path(ret_name))
+        _plot_retrieval(rows, plot_path(ret_name), out["retrieval"]["config"])
     return out
+
+
+def _items_by_seed(parts: list[dict]) -> list[dict]:
+    """The retrieval items of every part, one per seed with the answers of every part that ran it."""
+    by_seed: dict[int, dict] = {}
+    for part in parts:
+        for item in part["items"]:
+            seen = by_seed.setdefault(item["seed"], {**item, "answers": {}})
+            if seen["answer"] != item["answer"]:
+                raise ValueError(f"retrieval parts disagree on the answer of seed {item['seed']}")
+            seen["answers"].update(item["answers"])
+    return [by_seed[seed] for seed in sorted(by_seed)]
 
 
 def _plot_ppl(rows: list[dict], path: Path) -> None:
@@ -447,22 +512,33 @@ def _plot_ppl(rows: list[dict], path: Path) -> None:
     save_plot(fig, path, dpi=120)
 
 
-def _plot_retrieval(rows: list[dict], path: Path) -> None:
-    """Exact-match accuracy per cache with 95% Wilson intervals."""
-    fig, ax = subplots(figsize=(9, 4))
+def _plot_retrieval(rows: list[dict], path: Path, config: dict) -> None:
+    """Exact-match accuracy per cache with 95% Wilson intervals, one horizontal bar per cache."""
+    fig, ax = subplots(figsize=(9, 1.2 + 0.38 * len(rows)))
     acc = [r["accuracy"] for r in rows]
     low = [r["accuracy"] - r["interval_95"][0] for r in rows]
     high = [r["interval_95"][1] - r["accuracy"] for r in rows]
-    ax.bar(range(len(rows)), acc, yerr=[low, high], capsize=3, color="tab:blue")
-    ax.set_xticks(
-        range(len(rows)),
-        [f"{r['name']}\n{r['bits_per_element']:.2f} b" for r in rows],
-        fontsize=7,
-        rotation=20,
+    colours = [
+        "gray" if r["kind"] == "dense" else "tab:orange" if r["kind"].startswith("int") else "tab:blue"
+        for r in rows
+    ]
+    ax.barh(range(len(rows)), acc, xerr=[low, high], capsize=3, color=colours)
+    ax.set_yticks(
+        range(len(rows)), [f"{r['name']} ({r['bits_per_element']:.2f} b)" for r in rows], fontsize=8
     )
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("exact match (95% Wilson interval)")
-    ax.set_title(f"SmolLM2-135M chat retrieval in 8K context, {rows[0]['samples']} held-out items")
+    ax.invert_yaxis()
+    dense = [r["accuracy"] for r in rows if r["kind"] == "dense"]
+    if dense:
+        ax.axvline(dense[0], color="gray", ls="--", lw=1, label="dense")
+        ax.legend(fontsize=8, loc="lower right")
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("exact match (95% Wilson interval)")
+    noun = config.get("noun", "code")
+    ax.set_title(
+        f"SmolLM2-135M chat retrieval, {config['context']:,}-token prompts,\n{rows[0]['samples']} held-out "
+        f'items ("the {noun} of ...")',
+        fontsize=10,
+    )
     save_plot(fig, path, dpi=120)
 
 
@@ -477,7 +553,10 @@ def main(argv: list[str] | None = None) -> dict:
         "merge: combine the results of runs split by --shard",
     )
     p.add_argument(
-        "--only", nargs="+", default=[], help="ppl rows to run, by name (default: this shard's rows)"
+        "--only",
+        nargs="+",
+        default=[],
+        help="ppl rows or retrieval settings to run, by name (default: this shard's rows, every setting)",
     )
     p.add_argument(
         "--shard",
@@ -494,12 +573,25 @@ def main(argv: list[str] | None = None) -> dict:
         "--eval-tokens", type=int, nargs="+", default=[8192, 16384], help="validation tokens per context"
     )
     p.add_argument("--samples", type=int, default=30, help="retrieval items")
+    p.add_argument(
+        "--first-item",
+        type=int,
+        default=0,
+        help="index of the first retrieval item (held-out seed); a later run from --samples on adds "
+        "new items to the same set",
+    )
     p.add_argument("--retrieval-context", type=int, default=8192)
     p.add_argument(
         "--retrieval-facts",
         type=int,
         default=1,
         help="facts planted per retrieval item (default 1; SmolLM2-135M answered none of 2 items with 4)",
+    )
+    p.add_argument(
+        "--retrieval-noun",
+        default="secret number",
+        help='what the facts call their number (default "secret number"; with "code", the wording of the '
+        "runs of 5 December, SmolLM2-135M answers most items with a ``` fence)",
     )
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--iters", type=int, default=25)

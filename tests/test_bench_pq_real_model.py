@@ -1,0 +1,85 @@
+"""The PQ real-model bench's merge (`bench.pq_real_model`): a full retrieval run and a later `--only` run
+of more settings on the same items combine per seed, paired with dense, without a model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import bench.common
+from bench import pq_real_model
+
+
+def _part(settings: list[str], answers: dict[int, dict[str, str]], truth: dict[int, str]) -> dict:
+    return {
+        "config": {"context": 8192, "noun": "secret number"},
+        "settings": [{"name": name, "kind": name.split()[0], "bits_per_element": 4.0} for name in settings],
+        "items": [
+            {"seed": seed, "depth": 0.5, "answer": truth[seed], "answers": answers[seed]} for seed in answers
+        ],
+        "complete": True,
+    }
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(bench.common, "_QUICK", False)
+    return tmp_path
+
+
+def test_an_only_run_adds_its_settings_to_the_full_runs_items(results):
+    extra = "pq ds2 layer_head 6-bit cal8K"
+    truth = {1: "11", 2: "22", 3: "33"}
+    full = _part(["dense", "int4 g128"], {s: {"dense": truth[s], "int4 g128": "0"} for s in truth}, truth)
+    full["items"][0]["answers"]["dense"] = "wrong"
+    only = _part([extra], {3: {extra: "33"}, 1: {extra: "11"}, 2: {extra: "0"}}, truth)
+    name = "pq_real_retrieval_t"
+    (results / f"{pq_real_model.shard_name(name, (0, 1))}.json").write_text(json.dumps(full))
+    only_name = pq_real_model.shard_name(name, (0, 1), [extra])
+    assert only_name != pq_real_model.shard_name(name, (0, 1))  # the full run's file stays
+    (results / f"{only_name}.json").write_text(json.dumps(only))
+
+    out = pq_real_model.merge("pq_real_model_t")["retrieval"]
+    rows = {r["name"]: r for r in out["rows"]}
+    assert list(rows) == ["dense", extra, "int4 g128"]  # the order of `retrieval_settings`
+    assert [i["seed"] for i in out["items"]] == [1, 2, 3]
+    assert (rows["dense"]["right"], rows["int4 g128"]["right"], rows[extra]["right"]) == (2, 0, 2)
+    # paired with dense: seed 1 right only with the extra setting, seed 2 right only with dense
+    assert rows[extra]["right_where_dense_wrong"] == 1 and rows[extra]["wrong_where_dense_right"] == 1
+    assert rows[extra]["points_vs_dense"] == 0.0
+    assert (results / "pq_real_retrieval_t.png").is_file()
+
+
+def test_a_setting_missing_on_some_items_is_left_out(results):
+    truth = {1: "11", 2: "22"}
+    full = _part(["dense"], {s: {"dense": truth[s]} for s in truth}, truth)
+    partial = _part(["int4 g128"], {1: {"int4 g128": "11"}}, truth)
+    for i, part in enumerate((full, partial)):
+        (results / f"pq_real_retrieval_t_shard{i}of2.json").write_text(json.dumps(part))
+    rows = pq_real_model.merge("pq_real_model_t")["retrieval"]["rows"]
+    assert [r["name"] for r in rows] == ["dense"]
+
+
+def test_parts_that_disagree_on_an_answer_are_refused(results):
+    full = _part(["dense"], {1: {"dense": "11"}}, {1: "11"})
+    other = _part(["int4 g128"], {1: {"int4 g128": "11"}}, {1: "12"})
+    for i, part in enumerate((full, other)):
+        (results / f"pq_real_retrieval_t_shard{i}of2.json").write_text(json.dumps(part))
+    with pytest.raises(ValueError, match="disagree"):
+        pq_real_model.merge("pq_real_model_t")
+
+
+def test_a_run_of_later_items_adds_them_to_the_set(results):
+    truth = {1: "11", 2: "22", 3: "33", 4: "44"}
+    name = "pq_real_retrieval_t"
+    first = _part(["dense"], {s: {"dense": truth[s]} for s in (1, 2)}, truth)
+    later = _part(["dense"], {s: {"dense": truth[s] if s == 3 else "0"} for s in (3, 4)}, truth)
+    later_name = pq_real_model.shard_name(name, (0, 1), first_item=2)
+    assert later_name != pq_real_model.shard_name(name, (0, 1))
+    (results / f"{pq_real_model.shard_name(name, (0, 1))}.json").write_text(json.dumps(first))
+    (results / f"{later_name}.json").write_text(json.dumps(later))
+    out = pq_real_model.merge("pq_real_model_t")["retrieval"]
+    assert [i["seed"] for i in out["items"]] == [1, 2, 3, 4]
+    assert (out["rows"][0]["right"], out["rows"][0]["samples"]) == (3, 4)
