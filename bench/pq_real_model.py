@@ -433,9 +433,9 @@ def merge(name: str) -> dict:
         settings = [s for s in settings if all(s["name"] in i["answers"] for i in items)]
         rows = []
         dense_hits = [i["answers"]["dense"] == i["answer"] for i in items]
+        depths = sorted({i["depth"] for i in items})
         for s in settings:
             hits = [i["answers"][s["name"]] == i["answer"] for i in items]
-            depths = sorted({i["depth"] for i in items})
             rows.append(
                 {
                     **s,
@@ -479,6 +479,11 @@ def _items_by_seed(parts: list[dict]) -> list[dict]:
     return [by_seed[seed] for seed in sorted(by_seed)]
 
 
+def _colour(kind: str) -> str:
+    """A K/V format's colour in the plots: dense gray, the uniform baselines orange, PQ blue."""
+    return "gray" if kind == "dense" else "tab:orange" if kind.startswith("int") else "tab:blue"
+
+
 def _plot_ppl(rows: list[dict], path: Path) -> None:
     """Perplexity against stored bits per element, one panel per context."""
     contexts = sorted({r["context"] for r in rows})
@@ -487,14 +492,7 @@ def _plot_ppl(rows: list[dict], path: Path) -> None:
         part = [r for r in rows if r["context"] == context]
         dense = part[0]["ppl"]
         for r in part:
-            colour = (
-                "gray"
-                if r["kind"] == "dense"
-                else "tab:orange"
-                if r["kind"].startswith("int")
-                else "tab:blue"
-            )
-            ax.scatter(r["bits_per_element"], r["ppl"], color=colour, s=18)
+            ax.scatter(r["bits_per_element"], r["ppl"], color=_colour(r["kind"]), s=18)
             ax.annotate(
                 r["name"],
                 (r["bits_per_element"], r["ppl"]),
@@ -518,11 +516,7 @@ def _plot_retrieval(rows: list[dict], path: Path, config: dict) -> None:
     acc = [r["accuracy"] for r in rows]
     low = [r["accuracy"] - r["interval_95"][0] for r in rows]
     high = [r["interval_95"][1] - r["accuracy"] for r in rows]
-    colours = [
-        "gray" if r["kind"] == "dense" else "tab:orange" if r["kind"].startswith("int") else "tab:blue"
-        for r in rows
-    ]
-    ax.barh(range(len(rows)), acc, xerr=[low, high], capsize=3, color=colours)
+    ax.barh(range(len(rows)), acc, xerr=[low, high], capsize=3, color=[_colour(r["kind"]) for r in rows])
     ax.set_yticks(
         range(len(rows)), [f"{r['name']} ({r['bits_per_element']:.2f} b)" for r in rows], fontsize=8
     )
