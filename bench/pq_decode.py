@@ -150,12 +150,12 @@ def _pq_chain(model, codebooks, context: int, total_steps: int, window: int, bat
 def _flush_seconds(model, codebooks, window: int, batch: int, repeats: int) -> float:
     """Median seconds of one window flush (encode R tokens of every layer and head, append)."""
     from jaxlongctx.kvcache.pq_cache import PQCache, flush_full_rows
+    from pallas_kernels.pq_codes import code_bytes
 
     cfg = model.config
     k_cent, v_cent = codebooks.stacked()
-    codes = jnp.zeros(
-        (cfg.num_layers, batch, cfg.num_kv_heads, 2 * window, codebooks.num_subspaces), jnp.uint8
-    )
+    width = code_bytes(codebooks.num_centroids, codebooks.num_subspaces)  # M, or M/2 packed
+    codes = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, 2 * window, width), jnp.uint8)
     win = jax.random.normal(
         jax.random.key(4), (cfg.num_layers, batch, cfg.num_kv_heads, window, cfg.head_dim), model.dtype
     )

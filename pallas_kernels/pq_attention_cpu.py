@@ -7,7 +7,9 @@ short contexts. `pq_attention_cpu.cc` does the whole layer in one call: per (row
 heads, token split) it builds the lookup table and walks the coded tokens once (16-byte table loads
 that score 4 query heads at once, an online softmax, a per-centroid weight histogram instead of
 reconstructed values); per (row, kv head) it attends over the exact window; then it merges them by
-log-sum-exp. It is compiled with the C++ compiler (`$CXX`, default `g++`) against JAX's FFI headers
+log-sum-exp. Packed 4-bit codes (`pallas_kernels.pq_codes`) take a register path instead: a
+subspace's 16-entry lookup table is one vector register, permuted by 16 tokens' codes at once, and
+the values are the value centroids permuted the same way. It is compiled with the C++ compiler (`$CXX`, default `g++`) against JAX's FFI headers
 into a per-user cache (`$JAXLONGCTX_KERNEL_CACHE`, default `~/.cache/jaxlongctx/kernels`), keyed by
 the source, the jaxlib version and the CPU (`pallas_kernels.native_build`), and registered with XLA
 once per process. Without a compiler `native_kernel_error()` says why and callers keep the XLA path.
@@ -35,6 +37,11 @@ def native_kernel_error() -> str | None:
     return native_build.build_and_register(SOURCE, "PqDecodeAttention", TARGET)
 
 
+def reads_packed(sub_dim: int) -> bool:
+    """Whether the kernel reads packed 4-bit codes of subspaces of `sub_dim` dims (its register path)."""
+    return sub_dim in (1, 2, 4)
+
+
 def native_splits(batch: int, kv_heads: int, blocks: int, length_hint: int) -> int:
     """Token splits S per (row, kv head, block): enough tasks to keep every core busy, none under 1K tokens."""
     cores = os.cpu_count() or 1
@@ -58,7 +65,8 @@ def pq_decode_attention_native(
 ) -> jax.Array:
     """Attention over the coded tokens and the exact window through the CPU kernel, in one call.
 
-    q [B H D], codes [B K T M] uint8 (or every layer's [L B K T M] with `layer`, read in place),
+    q [B H D], codes [B K T M] uint8 or packed [B K T M/2] (`reads_packed`), or every layer's
+    [L B K T M] with `layer`, read in place;
     centroids [(K,) M C ds], lengths [B], window k_res/v_res [B K R D] (float32 or bf16), res_lengths [B]
     -> [B H D] float32; heads that see no token give 0.
     """

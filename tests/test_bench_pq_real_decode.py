@@ -29,16 +29,20 @@ TINY = ModelConfig(
 @pytest.fixture(scope="module")
 def tiny():
     model = Model.init(TINY, dtype=jnp.float32)
-    return model, {ds: _random_codebooks(TINY, ds) for ds in pq_real_decode.SUB_DIMS}
+    return model, {
+        name: _random_codebooks(TINY, *cache[:2]) for name, cache in pq_real_decode.PQ_CACHES.items()
+    }
 
 
 @pytest.mark.slow  # two whole-model decode compiles: about a minute on 2 loaded cores
 def test_native_and_xla_pq_chains_decode_the_same_tokens(tiny):
     model, books = tiny
     native, xla = (
-        pq_real_decode.pq_chain(model, books[2], 96, 3, 16, 2, backend) for backend in ("auto", "xla")
+        pq_real_decode.pq_chain(model, books["pq_ds2"], 96, 3, 16, 2, backend) for backend in ("auto", "xla")
     )
     np.testing.assert_array_equal(native(3), xla(3))  # 3 greedy steps over the same synthetic cache
+    packed = (pq_real_decode.pq_chain(model, books["pq_ds2_4bit"], 96, 3, 16, 2, b) for b in ("auto", "xla"))
+    np.testing.assert_array_equal(*(chain(3) for chain in packed))  # the register path, the same tokens
 
 
 @pytest.mark.slow
@@ -48,7 +52,7 @@ def test_row_bytes_ratios_and_plot(tiny, tmp_path, monkeypatch):
     buf = jnp.ones((2**20,), jnp.float32)
     total = jax.jit(jnp.sum)
     row = pq_real_decode.measure(model, books, 64, args, ({"read_xla": lambda: total(buf)}, 4 * 2**20))
-    methods = ("dense", "pq_ds2", "pq_ds4", "pq_ds2_xla")
+    methods = ("dense", *pq_real_decode.PQ_CACHES, "pq_ds2_xla")
     for name in methods:
         assert np.isfinite(row[name]["tokens_per_s"]) and row[name]["tokens_per_s"] > 0, name
         assert (
@@ -56,7 +60,13 @@ def test_row_bytes_ratios_and_plot(tiny, tmp_path, monkeypatch):
         )
     assert row["dense"]["cache_bytes_read_per_step"] == 2 * 2 * 64 * 2 * 16 * 4  # K+V, L=2, K=2, hd 16, fp32
     codes = 2 * 2 * 2 * (64 - 16) * (16 // 2)  # K+V, L, K, coded tokens, M (one byte per code)
-    assert row["pq_ds2"]["cache_bytes_read_per_step"] == pq_real_decode.pq_bytes(TINY, 64, 2, 16) > codes
+    assert (
+        row["pq_ds2"]["cache_bytes_read_per_step"]
+        == pq_real_decode.pq_bytes(TINY, 64, books["pq_ds2"], 16)
+        > codes
+    )
+    packed = row["pq_ds2_4bit"]["cache_bytes_read_per_step"] - row["pq_ds2"]["cache_bytes_read_per_step"]
+    assert packed < -codes // 2 + 1  # half the code bytes (and a smaller codebook)
     assert np.isclose(row["dense_over_pq_ds2"], row["dense"]["s_per_token"] / row["pq_ds2"]["s_per_token"])
     assert len(row["load_average_1min_before_after"]) == 2
     monkeypatch.setattr(pq_real_decode, "plot_path", lambda name: tmp_path / f"{name}.png")

@@ -15,6 +15,7 @@ from pallas_kernels import native_build, pq_attention, pq_attention_cpu, pq_deco
 from pallas_kernels.pq_attention import lookup_tables, merge_partials
 from pallas_kernels.pq_attention_kernel import PQBlocks, pq_coded_partials_pallas
 from pallas_kernels.pq_attention_reference import pq_decode_attention_reference
+from pallas_kernels.pq_codes import pack_codes, unpack_codes
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"),
@@ -38,13 +39,19 @@ def _case(
     per_head=False,
     dtype=jnp.float32,
     seed=0,
+    centroids=CENTROIDS,
+    packed=False,
 ):
-    """Random PQ cache + query; returns the positional arguments of pq_decode_attention (scale last)."""
+    """Random PQ cache + query; returns the positional arguments of pq_decode_attention (scale last);
+    `packed`: 4-bit codes two a byte, as the PQ cache stores them."""
     rng = np.random.default_rng(seed)
     subspaces = head_dim // sub_dim
-    cent_shape = (kv_heads, subspaces, CENTROIDS, sub_dim) if per_head else (subspaces, CENTROIDS, sub_dim)
+    cent_shape = (kv_heads, subspaces, centroids, sub_dim) if per_head else (subspaces, centroids, sub_dim)
     arr = lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
-    codes = lambda: jnp.asarray(rng.integers(0, CENTROIDS, (batch, kv_heads, capacity, subspaces)), jnp.uint8)
+    pack = pack_codes if packed else lambda c: c
+    codes = lambda: pack(
+        jnp.asarray(rng.integers(0, centroids, (batch, kv_heads, capacity, subspaces)), jnp.uint8)
+    )
     return (
         arr((batch, kv_heads * group, head_dim)),
         codes(),
@@ -64,7 +71,12 @@ def _run(args, backend):
     return fn(*args[:-1])
 
 
-_oracle = jax.jit(pq_decode_attention_reference)
+@jax.jit
+def _oracle(q, k_codes, v_codes, k_cent, *args):
+    """The dequantize-then-attend reference, on unpacked codes."""
+    if k_codes.shape[-1] != k_cent.shape[-3]:
+        k_codes, v_codes = unpack_codes(k_codes), unpack_codes(v_codes)
+    return pq_decode_attention_reference(q, k_codes, v_codes, k_cent, *args)
 
 
 def _check(args, backend, tol=2e-5):
@@ -141,6 +153,49 @@ NATIVE_CASES = [  # one lane block and two; SmolLM2's group (3 of 4 lanes) on lo
     {"group": 3, "kv_heads": 3, "capacity": 3000, "lengths": (0, 2999, 1301), "res_lengths": (5, 0, 128)},
     {"head_dim": 48, "sub_dim": 16, "group": 5, "kv_heads": 2, "per_head": True},
 ]
+
+
+# Packed 4-bit codes (at most 16 centroids) take the kernel's register path: ds 1, 2 and 4 (32, 16 and 8
+# code bytes; 12 at head dim 48 takes the scalar transpose); 1 to 4 heads in a lane block; rows ending
+# inside a 16-token tile, several 128-token chunks per split, an empty row; 16 centroids and fewer.
+SMALL_CODEBOOK_CASES = [
+    {"centroids": 16, "sub_dim": 2, "group": 3, "kv_heads": 3, "capacity": 3000, "lengths": (0, 2999, 1301)},
+    {"centroids": 16, "sub_dim": 1, "group": 5, "kv_heads": 2, "per_head": True, "capacity": 300},
+    {"centroids": 11, "sub_dim": 4, "group": 2, "capacity": 129, "lengths": (129, 17, 1)},
+    {"centroids": 16, "sub_dim": 2, "group": 8, "head_dim": 128, "capacity": 200, "lengths": (200, 0, 15)},
+    {"centroids": 7, "sub_dim": 2, "group": 1, "head_dim": 48, "capacity": 70, "lengths": (70, 33, 16)},
+]
+
+
+@pytest.mark.parametrize("case", SMALL_CODEBOOK_CASES)
+def test_native_register_path_matches_oracle(case):
+    _require_native()
+    _check(_case(window=128, res_lengths=(5, 0, 128), packed=True, **case), "native", 5e-5)
+
+
+@pytest.mark.parametrize("backend", ["native", "xla", "interpret"])
+def test_packed_codes_on_every_path(backend):
+    """Every backend takes packed codes: unpacked where it does not read them (ds 8 on native, all of
+    XLA and Pallas); the same codes one a byte give the same output."""
+    if backend == "native":
+        _require_native()
+    for sub_dim in (2, 8) if backend == "native" else (2,):
+        args = _case(centroids=16, sub_dim=sub_dim, group=3, kv_heads=3, capacity=40, lengths=(40, 7, 0))
+        packed = (args[0], pack_codes(args[1]), pack_codes(args[2]), *args[3:])
+        _check(packed, backend)
+        np.testing.assert_allclose(_run(packed, backend), _run(args, backend), atol=2e-5, rtol=2e-5)
+
+
+def test_native_register_path_with_moving_max():
+    """4-bit codes whose scores grow along the row: the register path rescales its sums per chunk."""
+    _require_native()
+    q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale = _case(
+        group=3, kv_heads=3, capacity=2048, lengths=(2048, 1000, 2047), centroids=16, packed=True
+    )
+    ramp = jnp.arange(k_codes.shape[2], dtype=jnp.int32)[None, None, :, None] * 16 // k_codes.shape[2]
+    k_cent = k_cent + jnp.arange(16, dtype=jnp.float32)[None, :, None] * 0.8
+    k_codes = pack_codes(jnp.broadcast_to(ramp, (*k_codes.shape[:3], 32)))
+    _check((q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale), "native", 1e-4)
 
 
 @pytest.mark.parametrize("case", NATIVE_CASES)

@@ -22,6 +22,7 @@ from jaxlongctx.kvcache.pq_cache import (
     pq_cache_report,
     write_window,
 )
+from pallas_kernels.pq_codes import unpack_codes
 
 CFG = ModelConfig(
     vocab_size=97,
@@ -64,16 +65,19 @@ def model():
     return jaxlongctx.Model.init(CFG, seed=1)
 
 
-@pytest.mark.parametrize("granularity", ["shared", "layer", "layer_head"])
-def test_encode_layers_matches_codec_per_layer(granularity):
-    cb = random_codebooks(granularity)
+@pytest.mark.parametrize("granularity,bits", [("shared", 4), ("layer", 5), ("layer_head", 4)])
+def test_encode_layers_matches_codec_per_layer(granularity, bits):
+    """4-bit codes are stored two a byte ([..., M/2]), 5-bit ones a byte each."""
+    cb = random_codebooks(granularity, bits=bits)
     x = jax.random.normal(jax.random.key(1), (L, 2, K, 5, D))
     k_cent, _ = cb.stacked()
     codes = encode_layers(x, k_cent)
-    assert codes.shape == (L, 2, K, 5, D // 2) and codes.dtype == jnp.uint8
+    packed = bits == 4
+    assert codes.shape == (L, 2, K, 5, D // 4 if packed else D // 2) and codes.dtype == jnp.uint8
+    one_a_byte = unpack_codes(codes) if packed else codes
     for layer in range(L):
-        np.testing.assert_array_equal(codes[layer], encode(x[layer], cb.for_layer(layer)[0]))
-    np.testing.assert_array_equal(decode_layers(codes, k_cent)[1], decode(codes[1], cb.for_layer(1)[0]))
+        np.testing.assert_array_equal(one_a_byte[layer], encode(x[layer], cb.for_layer(layer)[0]))
+    np.testing.assert_array_equal(decode_layers(codes, k_cent)[1], decode(one_a_byte[1], cb.for_layer(1)[0]))
 
 
 @pytest.mark.parametrize("keep_tail", [False, True])
@@ -103,8 +107,8 @@ def test_flush_appends_only_full_rows():
     k_cent, v_cent = cb.stacked()
     window, cap = 2, 8
     cache = PQCache(
-        jnp.zeros((L, 2, K, cap, 8), jnp.uint8),
-        jnp.zeros((L, 2, K, cap, 8), jnp.uint8),
+        jnp.zeros((L, 2, K, cap, 4), jnp.uint8),  # 4-bit codes of M = 8 subspaces, two a byte
+        jnp.zeros((L, 2, K, cap, 4), jnp.uint8),
         jax.random.normal(jax.random.key(4), (L, 2, K, window, D)),
         jax.random.normal(jax.random.key(5), (L, 2, K, window, D)),
         jnp.array([3, 1], jnp.int32),
@@ -141,6 +145,12 @@ def test_cache_bytes_vs_dense_at_32k():
         assert report["codes_bytes"] == 2 * 32 * 32 * coded * (128 // ds)
         assert report["window_bytes"] == 2 * 32 * 32 * 128 * 128 * 2
         assert report["dense_bf16_bytes"] == 2 * 32 * 32 * 32768 * 128 * 2
+    for bits, code_bytes in (
+        (4, 128 // 4),
+        (5, 128 // 2),
+    ):  # 4-bit codes packed two a byte, 5-bit a byte each
+        cb = random_codebooks("shared", ds=2, bits=bits, num_layers=32, num_kv_heads=32, head_dim=128)
+        assert pq_cache_report(llama2, cb, 32768)["codes_bytes"] == 2 * 32 * 32 * (32768 - 128) * code_bytes
     with pytest.raises(ValueError, match="codebooks are for"):
         pq_cache_report(CFG, cb, 10)
 

@@ -404,3 +404,19 @@ def test_ten_bit_codebooks_train_and_the_pq_cache_refuses_them() -> None:
     with pytest.raises(ValueError, match="8-bit"):
         PQKV(cbs[10])
     PQKV(cbs[8])
+
+
+def test_four_bit_codes_pack_two_a_byte() -> None:
+    """Subspace 2p in byte p's low nibble, 2p + 1 in its high one; unpacking inverts packing; only codes
+    of at most 16 centroids over an even M are packed."""
+    from pallas_kernels.pq_codes import code_bytes, is_packed, pack_codes, packs, unpack_codes
+
+    codes = jnp.asarray(np.random.default_rng(0).integers(0, 16, (3, 5, 8)), jnp.uint8)
+    packed = pack_codes(codes)
+    assert packed.shape == (3, 5, 4) and packed.dtype == jnp.uint8
+    np.testing.assert_array_equal(packed[..., 1], codes[..., 2] + 16 * codes[..., 3])
+    np.testing.assert_array_equal(unpack_codes(packed), codes)
+    assert packs(16, 8) and not packs(17, 8) and not packs(16, 7)
+    assert code_bytes(16, 32) == 16 and code_bytes(256, 32) == 32
+    cent = jnp.zeros((8, 16, 2))
+    assert is_packed(packed, cent) and not is_packed(codes, cent)

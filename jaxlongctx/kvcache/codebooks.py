@@ -16,11 +16,12 @@ import numpy as np
 from jaxlongctx.kvcache.kmeans import Init, kmeans
 from jaxlongctx.kvcache.pq_codec import MAX_CENTROIDS
 from jaxlongctx.output_dir import atomic_directory
+from pallas_kernels.pq_codes import packs
 
 Granularity = Literal["shared", "layer", "layer_head"]
 GRANULARITIES: tuple[str, ...] = ("shared", "layer", "layer_head")
 MAX_BITS = MAX_CENTROIDS.bit_length() - 1  # the codec's widest codes (12 bits; uint16 above 8)
-CACHE_MAX_BITS = 8  # the PQ cache and its kernels store one uint8 code per subspace
+CACHE_MAX_BITS = 8  # the PQ cache and its kernels store codes of at most a byte (4-bit codes two a byte)
 FORMAT_VERSION = 1
 _META_FILE = "codebooks.json"
 _ARRAYS_DIR = "arrays"
@@ -36,7 +37,7 @@ def _check_bits(bits: int) -> None:
 
 
 def check_cache_bits(bits: int) -> None:
-    """Reject codebooks whose codes the PQ cache cannot store (it holds uint8 codes)."""
+    """Reject codebooks whose codes the PQ cache cannot store (it holds codes of at most a byte)."""
     if bits > CACHE_MAX_BITS:
         raise ValueError(
             f"these codebooks have {bits}-bit codes; the PQ cache and its decode kernels store 8-bit "
@@ -441,9 +442,10 @@ def cache_bytes(
 ) -> dict[str, int | float]:
     """Exact bytes of a PQ KV cache (codes + bf16 window + f32 codebooks) vs a dense bf16 cache.
 
-    `window` of the num_tokens tokens are held exactly in bf16, the rest as one code per subspace: a
-    byte per code up to 8 bits (even when bits < 8), as the PQ cache stores them; wider codes (10-12
-    bits, which only the codec and quality evaluation use) are counted packed at their width.
+    `window` of the num_tokens tokens are held exactly in bf16, the rest as one code per subspace, as
+    the PQ cache stores them: half a byte for codes of up to 4 bits over an even number of subspaces
+    (packed two a byte), else a byte up to 8 bits (even when bits < 8); wider codes (10-12 bits, which
+    only the codec and quality evaluation use) are counted packed at their width.
     Codebooks are counted once (not per batch row).
     """
     for name, value in (("num_tokens", num_tokens), ("window", window)):
@@ -458,7 +460,7 @@ def cache_bytes(
     exact = min(window, num_tokens)
     coded = num_tokens - exact
     kv_layers_heads = 2 * num_layers * num_kv_heads * batch  # K and V
-    code_bits = 8 if bits <= CACHE_MAX_BITS else bits
+    code_bits = 4 if packs(2**bits, m) else 8 if bits <= CACHE_MAX_BITS else bits
     codes = -(-kv_layers_heads * coded * m * code_bits // 8)
     window_bytes = kv_layers_heads * exact * head_dim * 2
     codebook = 2 * int(np.prod(centroid_shape(granularity, num_layers, num_kv_heads, head_dim, ds, bits))) * 4

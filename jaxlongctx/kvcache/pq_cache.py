@@ -1,5 +1,7 @@
 """Static product-quantized KV cache (MILLION): preallocated uint8 code buffers plus an exact window.
 
+Codes are a byte each, or two a byte for 4-bit codes (at most 16 centroids, `pallas_kernels.pq_codes`).
+
 Per batch row b, the coded tokens are slots [0, lengths[b]) of the code buffers and the exact
 (full-precision) recent tokens are slots [0, window_lengths[b]) of the window. New tokens go to
 the window; a row whose window is full (R tokens) is encoded in one batch and appended to its
@@ -18,12 +20,14 @@ from jax.sharding import PartitionSpec as P
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache.codebooks import Codebooks, cache_bytes
 from jaxlongctx.kvcache.pq_codec import decode, encode
+from pallas_kernels.pq_codes import pack_codes, packs, unpack_codes
 
 DEFAULT_WINDOW = 128  # R, the reference's full-precision recent window
 
 
 class PQCache(NamedTuple):
-    """Codes `[L, B, K, T, M]` uint8, exact window `[L, B, K, R, D]`, valid counts per row `[B]` int32."""
+    """Codes `[L, B, K, T, M]` uint8 (`[..., M/2]` packed 4-bit codes), exact window `[L, B, K, R, D]`,
+    valid counts per row `[B]` int32."""
 
     k_codes: jnp.ndarray
     v_codes: jnp.ndarray
@@ -92,12 +96,16 @@ class PQCache(NamedTuple):
 
 
 def encode_layers(x: jnp.ndarray, cent: jnp.ndarray) -> jnp.ndarray:
-    """Encode x `[L, B, K, N, D]` with stacked centroids `[L, M, C, ds]` or `[L, K, M, C, ds]` -> `[L, B, K, N, M]`."""
-    return jax.lax.map(lambda xc: encode(xc[0], xc[1]), (x, cent))
+    """Encode x `[L, B, K, N, D]` with stacked centroids `[L, M, C, ds]` or `[L, K, M, C, ds]` -> the
+    cache's codes `[L, B, K, N, M]` (`[..., M/2]` when 4-bit codes are packed)."""
+    codes = jax.lax.map(lambda xc: encode(xc[0], xc[1]), (x, cent))
+    return pack_codes(codes) if packs(cent.shape[-2], cent.shape[-3]) else codes
 
 
 def decode_layers(codes: jnp.ndarray, cent: jnp.ndarray) -> jnp.ndarray:
-    """Reconstruct codes `[L, B, K, N, M]` with stacked centroids -> float32 `[L, B, K, N, D]`."""
+    """Reconstruct the cache's codes `[L, B, K, N, M]` (or packed) with stacked centroids -> float32 `[L, B, K, N, D]`."""
+    if codes.shape[-1] != cent.shape[-3]:
+        codes = unpack_codes(codes)
     return jax.lax.map(lambda cc: decode(cc[0], cc[1]), (codes, cent))
 
 
