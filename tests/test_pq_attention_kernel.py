@@ -15,7 +15,7 @@ from pallas_kernels import native_build, pq_attention, pq_attention_cpu, pq_deco
 from pallas_kernels.pq_attention import lookup_tables, merge_partials
 from pallas_kernels.pq_attention_kernel import PQBlocks, pq_coded_partials_pallas
 from pallas_kernels.pq_attention_reference import pq_decode_attention_reference
-from pallas_kernels.pq_codes import pack_codes, unpack_codes
+from pallas_kernels.pq_codes import is_packed, pack_codes, unpack_codes
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"),
@@ -74,7 +74,7 @@ def _run(args, backend):
 @jax.jit
 def _oracle(q, k_codes, v_codes, k_cent, *args):
     """The dequantize-then-attend reference, on unpacked codes."""
-    if k_codes.shape[-1] != k_cent.shape[-3]:
+    if is_packed(k_codes, k_cent):
         k_codes, v_codes = unpack_codes(k_codes), unpack_codes(v_codes)
     return pq_decode_attention_reference(q, k_codes, v_codes, k_cent, *args)
 

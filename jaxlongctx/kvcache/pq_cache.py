@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache.codebooks import Codebooks, cache_bytes
 from jaxlongctx.kvcache.pq_codec import decode, encode
-from pallas_kernels.pq_codes import pack_codes, packs, unpack_codes
+from pallas_kernels.pq_codes import is_packed, pack_codes, packs, unpack_codes
 
 DEFAULT_WINDOW = 128  # R, the reference's full-precision recent window
 
@@ -104,7 +104,7 @@ def encode_layers(x: jnp.ndarray, cent: jnp.ndarray) -> jnp.ndarray:
 
 def decode_layers(codes: jnp.ndarray, cent: jnp.ndarray) -> jnp.ndarray:
     """Reconstruct the cache's codes `[L, B, K, N, M]` (or packed) with stacked centroids -> float32 `[L, B, K, N, D]`."""
-    if codes.shape[-1] != cent.shape[-3]:
+    if is_packed(codes, cent):
         codes = unpack_codes(codes)
     return jax.lax.map(lambda cc: decode(cc[0], cc[1]), (codes, cent))
 
