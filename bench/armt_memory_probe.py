@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from bench.armt_real_model import load_armt, parse_lengths
+from bench.armt_real_model import load_armt, parse_lengths, trained_noun
 from bench.common import environment, plot_path, save_plot, subplots, use_quick_results, write_result
 from jaxlongctx.armt.segments import Segments
 from jaxlongctx.armt.sentences import make_segmenter
-from jaxlongctx.data.haystack import CODE_DIGITS, chat_frame, eval_seed
+from jaxlongctx.data.haystack import CODE_DIGITS, DEFAULT_NOUN, chat_frame, eval_seed
 from jaxlongctx.train.armt_finetune import answer_logits, haystack_batch
 from jaxlongctx.train.chat_accuracy import code_position
 from jaxlongctx.train.evaluate import exact_match_interval
@@ -43,9 +43,10 @@ BATCH = 2
 QUICK = {"lengths": [512], "samples": 2}
 
 
-def probe_length(armt: Any, tokens: int, samples: int) -> dict[str, Any]:
-    """Digit hits of `samples` near-boundary items of `tokens` tokens, split by where the code lies."""
-    frame = chat_frame(armt.tokenizer)
+def probe_length(armt: Any, tokens: int, samples: int, noun: str = DEFAULT_NOUN) -> dict[str, Any]:
+    """Digit hits of `samples` near-boundary items of `tokens` tokens (the code called `noun`), split by
+    where the code lies."""
+    frame = chat_frame(armt.tokenizer, noun)
     segmenter = make_segmenter(armt.segmentation, armt.tokenizer)
     size = armt.armt.segment_size
     memory_hits, window_hits = [], []
@@ -62,6 +63,7 @@ def probe_length(armt: Any, tokens: int, samples: int) -> dict[str, Any]:
             near_fraction=1.0,
             filler_split="validation",
             segmenter=segmenter,
+            noun=noun,
         )
         segments = Segments(batch["seg_ids"], batch["seg_n"], batch["seg_first"])
         _, logits = armt.run_segments(armt.params, segments, "diagonal")
@@ -80,6 +82,7 @@ def probe_length(armt: Any, tokens: int, samples: int) -> dict[str, Any]:
     return {
         "tokens": tokens,
         "items": samples,
+        "noun": noun,
         "memory_only": score(memory_hits),
         "fact_in_answer_segment": score(window_hits),
         "seconds": time.perf_counter() - start,
@@ -138,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--samples", type=int, default=40, help="items per length (default 40)")
     p.add_argument("--base-dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--name", default="armt_memory_probe", help="result file name")
+    p.add_argument(
+        "--noun", help="what the facts call the code (default: each model's training noun, else 'code')"
+    )
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK}, written to _quick files")
     args = p.parse_args(argv)
     if args.samples < 1:
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     for path in args.model:
         armt, info = load_armt(Path(path), args.base_dtype)
-        rows = [probe_length(armt, tokens, samples) for tokens in lengths]
+        noun = args.noun or trained_noun(info)
+        rows = [probe_length(armt, tokens, samples, noun) for tokens in lengths]
         name = " ".join(label(info).split())
         for row in rows:
             print(f"{name} {row['tokens']:,}: memory only {row['memory_only']}")

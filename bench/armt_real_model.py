@@ -54,7 +54,7 @@ from bench.common import plot_path, save_plot, subplots, use_quick_results, writ
 from jaxlongctx.armt.cpu_execution import CPUExecution, diagonal_pays_off
 from jaxlongctx.armt.model import ARMTModel
 from jaxlongctx.data.chat_retrieval import DEFAULT_DEPTHS, RetrievalItem, retrieval_set
-from jaxlongctx.data.haystack import CODE_DIGITS, FILLER_SPLIT
+from jaxlongctx.data.haystack import CODE_DIGITS, DEFAULT_NOUN, FILLER_SPLIT, check_noun
 from jaxlongctx.loading import load
 from jaxlongctx.train.armt_finetune import memory_in_float32
 from jaxlongctx.train.armt_training_checkpoint import (
@@ -105,6 +105,11 @@ def main(argv: list[str] | None = None) -> None:
         default=PREFIX_CHUNK_SEGMENTS,
         help="prompt segments per schedule call (bounds the dropped logits; default %(default)s)",
     )
+    p.add_argument(
+        "--noun",
+        help="what facts and questions call the code (default: the noun the model was trained on, as its "
+        'record says, else "code")',
+    )
     p.add_argument("--quick", action="store_true", help=f"a small run: {QUICK}, written to _quick files")
     p.add_argument(
         "--name", default=NAME, help=f"result files bench/results/<name>.{{json,png}} (default {NAME})"
@@ -121,10 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     if check_lengths and not set(check_lengths) <= set(lengths):
         raise ValueError(f"--sequential-lengths {check_lengths} must be among --lengths {lengths}")
     armt, model_info = load_armt(Path(args.model), args.base_dtype)
+    noun = args.noun or trained_noun(model_info)
+    check_noun(noun)
     native = armt.base.config.max_position_embeddings
     check_lengths = check_lengths or [n for n in lengths if n <= native]
     print_estimate(armt, lengths, args.samples, check_lengths, args.sequential_samples)
-    result = run(armt, lengths, args.samples, check_lengths, args.sequential_samples, args.chunk_segments)
+    result = run(
+        armt, lengths, args.samples, check_lengths, args.sequential_samples, args.chunk_segments, noun
+    )
     write_results(
         {**result, "model": model_info, "base_dtype": args.base_dtype, "quick": args.quick}, args.name
     )
@@ -163,10 +172,19 @@ def load_armt(path: Path, base_dtype: str) -> tuple[ARMTModel, dict[str, Any]]:
     if record.is_file():
         runs = json.loads(record.read_text()).get("runs", [])
         info["training"] = [
-            {k: run.get(k) for k in ("command", "steps", "curriculum", "final_loss", "train_wall_s")}
+            {k: run.get(k) for k in ("command", "steps", "curriculum", "noun", "final_loss", "train_wall_s")}
             for run in runs
         ]
     return memory_in_float32(armt), info
+
+
+def trained_noun(model_info: dict[str, Any]) -> str:
+    """The noun the model's facts were trained with: its training checkpoint's setting, or the last run
+    of its training record that names one; "code" (the default) where none does."""
+    if "hyperparams" in model_info:
+        return model_info["hyperparams"].get("noun") or DEFAULT_NOUN
+    nouns = [run["noun"] for run in model_info.get("training", []) if run.get("noun")]
+    return nouns[-1] if nouns else DEFAULT_NOUN
 
 
 def print_estimate(
@@ -207,16 +225,18 @@ def run(
     check_lengths: list[int],
     check_samples: int,
     chunk_segments: int = PREFIX_CHUNK_SEGMENTS,
+    noun: str = DEFAULT_NOUN,
 ) -> dict[str, Any]:
-    """Rows (a) full attention and (b) ARMT diagonal at every length, and check (c) at `check_lengths`."""
+    """Rows (a) full attention and (b) ARMT diagonal at every length, and check (c) at `check_lengths`;
+    the items' facts call the code `noun`."""
     tokenizer, native = armt.tokenizer, armt.base.config.max_position_embeddings
-    cut = chat_cut(tokenizer)
+    cut = chat_cut(tokenizer, noun)
     full = full_attention_digit_logits(armt.base)
     diagonal = armt_digit_logits(armt, "diagonal", chunk_segments)
     rows: dict[str, list[dict]] = {"full_attention": [], "armt_diagonal": []}
     checks, runs_as = [], {}
     for length in lengths:
-        items = retrieval_set(tokenizer, samples, length, num_facts=NUM_FACTS)
+        items = retrieval_set(tokenizer, samples, length, num_facts=NUM_FACTS, noun=noun)
         fitted = [fit_context(item, cut, native) for item in items]
         load0, t0 = os.getloadavg()[0], time.perf_counter()
         logits = answer_logits(full, fitted, f"full attention {length:,}")
@@ -241,6 +261,7 @@ def run(
             "lengths": lengths,
             "samples": samples,
             "num_facts": NUM_FACTS,
+            "noun": noun,
             "depths": list(DEFAULT_DEPTHS),
             "filler_split": FILLER_SPLIT,
             "seeds": "held out: eval_seed(0 .. samples - 1)",

@@ -118,3 +118,5 @@ def test_base_lr_scale_scales_the_base_updates_only_and_needs_a_trained_base(tmp
             scale_base_updates(bad)
     with pytest.raises(ValueError, match="--freeze-base"):
         prepare_train_armt(_args(*QUICK, "--base-lr-scale", "0.1", "--out", str(tmp_path / "run")))
+    with pytest.raises(ValueError, match="noun"):  # refused before a model loads
+        prepare_train_armt(_args(*QUICK, "--noun", "code 7", "--out", str(tmp_path / "run")))

@@ -88,6 +88,8 @@ def test_fit_context_keeps_the_head_and_the_question_and_fits_the_native_context
     tok = armt.tokenizer
     cut, head = chat_cut(tok), chat_frame(tok).head
     assert cut.head == head.size
+    named = chat_cut(tok, "secret number")  # a longer question: more of the end is kept
+    assert named.head == cut.head and named.end > cut.end
     for item in retrieval_set(tok, 2, 3 * NATIVE, num_facts=1):
         fitted = fit_context(item, cut, NATIVE)
         total = fitted.prompt.size + fitted.answer_prefix.size + CODE_DIGITS
@@ -194,13 +196,18 @@ def test_chat_train_run_scores_chat_items_and_its_last_checkpoint_holds_the_save
     words = ["--base", str(base_dir), "--out", str(tmp_path / "run"), "--save", str(tmp_path / "model")]
     words += ["--quick", "--freeze-base", "--chat", "--mem-tokens", "4", "--d-mem", "8", "--lr", "1e-2"]
     words += ["--base-dtype", "fp32", "--eval-lengths", "256", "--eval-samples", "2", "--no-progress"]
-    summary = run_train_armt(parser.parse_args(words))
+    summary = run_train_armt(parser.parse_args([*words, "--noun", "secret number"]))
     (row,) = summary["accuracy"]  # held-out chat items, scored as the bench scores them
     assert row["length"] == 256 and row["n"] == 2 and row["accuracy"] == row["correct"] / 2
+    assert summary["noun"] == row["noun"] == "secret number"
     saved = jaxlongctx.load(tmp_path / "model")
     step_dir = tmp_path / "run/checkpoints/step_00000002"
     armt, info = armt_real_model.load_armt(step_dir, "bf16")
     assert info["kind"] == "training checkpoint" and info["step"] == info["total_steps"] == 2
+    assert armt_real_model.trained_noun(info) == "secret number"  # the bench asks as training asked
+    saved_info = armt_real_model.load_armt(tmp_path / "model", "bf16")[1]
+    assert armt_real_model.trained_noun(saved_info) == "secret number"
+    assert armt_real_model.trained_noun({"kind": "saved model"}) == "code"
     assert armt.dtype == np.dtype("bfloat16") and armt.armt.segment_size == saved.armt.segment_size
     for name in ("memory", "wq", "wk", "wv", "wb", "bb"):  # float32, as trained and saved
         trained = np.asarray(getattr(armt.memory, name)[...])

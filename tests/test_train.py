@@ -177,6 +177,15 @@ def test_armt_curriculum_and_answer_positions():
     assert np.mean(np.array(starts) < 128) >= 0.75 and np.median(starts) > 128 * 0.6
     with pytest.raises(ValueError, match="near_fraction"):
         haystack_batch(0, 1, 256, load_default_tokenizer(), 128, num_facts=1, near_fraction=2.0)
+    tok = load_default_tokenizer()
+    named = haystack_batch(0, 4, 1024, tok, 128, num_facts=1, noun="secret number")
+    plain = haystack_batch(0, 4, 1024, tok, 128, num_facts=1)
+    np.testing.assert_array_equal(named["answer_ids"], plain["answer_ids"])  # same facts, renamed
+    for ids, n in zip(named["ids"], named["lengths"]):
+        text = tok.decode(ids[:n].tolist())
+        assert "secret number of the" in text and "code of the" not in text
+    with pytest.raises(ValueError, match="noun"):
+        haystack_batch(0, 1, 256, tok, 128, num_facts=1, noun="secret  number")
     train = encode_corpus("train")  # training filler is train-split text unless told otherwise
     val = haystack_batch(
         0, 2, 1024, load_default_tokenizer(), 128, num_facts=1, far_fraction=1.0, filler_split="validation"

@@ -20,7 +20,7 @@ from jaxlongctx.armt.model import ARMTModel, saved_training_record
 from jaxlongctx.armt.sentences import SEGMENTATIONS
 from jaxlongctx.cli_options import add_model_argument
 from jaxlongctx.data.corpus import SPLITS
-from jaxlongctx.data.haystack import FILLER_SPLIT
+from jaxlongctx.data.haystack import DEFAULT_NOUN, FILLER_SPLIT, check_noun
 from jaxlongctx.loading import load, parse_dtype
 from jaxlongctx.output_dir import check_output
 from jaxlongctx.train.armt_finetune import (
@@ -169,6 +169,13 @@ def add_train_armt_arguments(parser: argparse.ArgumentParser) -> None:
         f"accuracy check (--eval-lengths) always uses the {FILLER_SPLIT} split, the bench's filler",
     )
     parser.add_argument(
+        "--noun",
+        default=DEFAULT_NOUN,
+        help='what facts and questions call the 4-digit code: "The <noun> of the blue box is 4711." '
+        '(default %(default)r; SmolLM2 answers "secret number" with digits where "code" often gets a code '
+        "fence); the accuracy check asks with the same noun",
+    )
+    parser.add_argument(
         "--lm-weight",
         type=float,
         default=1.0,
@@ -237,6 +244,7 @@ _RUN_SETTINGS = (
     "remat",
     "chat",
     "quick",
+    "noun",
 )
 
 
@@ -294,6 +302,7 @@ def prepare_train_armt(args: argparse.Namespace) -> PreparedRun:
     if args.freeze_base and args.base_lr_scale != 1.0:
         raise ValueError("--base-lr-scale scales the base's updates; with --freeze-base there are none")
     curriculum = None if args.quick else parse_curriculum(args.curriculum)
+    check_noun(args.noun)
     facts = parse_fact_range(str(args.num_facts))
     base_path = resolve_base_argument(args.base) if args.base else None
     if args.save:
@@ -337,6 +346,7 @@ def prepare_train_armt(args: argparse.Namespace) -> PreparedRun:
         fixed_batch=args.quick,
         base_lr_scale=args.base_lr_scale,
         near_fraction=args.near_fraction,
+        noun=args.noun,
     )
     armt.segmentation = segmentation  # the accuracy check cuts prompts as training does
     return PreparedRun(trainer, armt, reference, stages, optim, facts)
@@ -372,6 +382,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "boundary_fraction": args.boundary_fraction,
         "far_fraction": args.far_fraction,
         "near_fraction": args.near_fraction,
+        "noun": args.noun,
         "shared_word_fraction": args.shared_word_fraction,
         "filler_split": args.filler_split,
         "split_fraction": args.split_fraction,
@@ -386,7 +397,7 @@ def run_train_armt(args: argparse.Namespace) -> dict[str, Any]:
         "seconds_per_step": trainer.history["wall_s"][-1] / steps,
         "final_loss": trainer.history["loss"][-1],
         "accuracy": [
-            armt_chat_accuracy(armt, n, args.eval_samples, num_facts=facts[1])
+            armt_chat_accuracy(armt, n, args.eval_samples, num_facts=facts[1], noun=args.noun)
             if args.chat
             else retrieval_accuracy(
                 armt.generation_logits,

@@ -245,7 +245,7 @@ def make_sample(
         )
     if target_depth is not None and not 0.0 <= target_depth <= 1.0:
         raise ValueError(f"target_depth must be in [0, 1], got {target_depth}")
-    _check_noun(noun)
+    check_noun(noun)
     rng = np.random.default_rng(rng_or_seed)
     stream = _filler_stream(tokenizer, filler_split)
 
@@ -295,7 +295,7 @@ def make_sample(
     )
 
 
-def _check_noun(noun: str) -> None:
+def check_noun(noun: str) -> None:
     """A noun for facts: words of letters and single spaces ("code", "secret number")."""
     if not isinstance(noun, str) or not all(w.isalpha() for w in noun.split(" ")):
         raise ValueError(f"noun must be words of letters separated by single spaces, got {noun!r}")

@@ -27,6 +27,7 @@ from jaxlongctx.armt.segments import Segments, pad_segments, segment, segment_at
 from jaxlongctx.armt.sentences import SentenceSegmenter, make_segmenter
 from jaxlongctx.data.haystack import (
     CODE_DIGITS,
+    DEFAULT_NOUN,
     TOKENS_BEFORE_CODE,
     ChatFrame,
     chat_frame,
@@ -93,6 +94,7 @@ def haystack_batch(
     segmenter: SentenceSegmenter | None = None,
     chat: ChatFrame | None = None,
     near_fraction: float = 0.0,
+    noun: str = DEFAULT_NOUN,
 ) -> dict[str, np.ndarray]:
     """Prompts + answers (`ids [B, T]`, right-padded, and cut into segments), their lengths `[B]` and
     the supervised answer digits, with `T = total_tokens`.
@@ -114,7 +116,8 @@ def haystack_batch(
     About `split_fraction` of the samples shift their text so that a segment boundary falls between
     the asked fact's subject and its code's last digit, the binding only the memory can carry (at
     uniform positions that is about 5% of facts; where the filler ahead of the first fact is shorter
-    than the shift, the sample stays as it is).
+    than the shift, the sample stays as it is). `noun` is what facts and questions call the code
+    ("secret number"); a `chat` frame must be built for the same noun (`chat_frame(tokenizer, noun)`).
 
     With `follow_ups`, the answer is followed by questions about the sample's other facts, in random
     order, each with its answer (as many as fit in T), so that one sample supervises up to `hi` answers.
@@ -171,6 +174,7 @@ def haystack_batch(
             target_depth=depth,
             shared_word=shared,
             filler_split=filler_split,
+            noun=noun,
         )
         longest = make(
             np.random.default_rng([seed, i]), total_tokens - tail - overhead
@@ -310,6 +314,7 @@ def armt_trainer(
     fixed_batch: bool = False,
     base_lr_scale: float = 1.0,
     near_fraction: float = 0.0,
+    noun: str = DEFAULT_NOUN,
 ) -> Trainer:
     """A `Trainer` of `retrieval_loss` through the diagonal schedule over the curriculum `stages` (memory
     params, and the base weights unless `freeze_base`: then the base is neither differentiated nor given
@@ -317,9 +322,10 @@ def armt_trainer(
     `ARMTModel.segmentation`). With `chat` the samples are chat haystacks in the model's own tokenizer
     and chat template (else plain ones in the built-in tokenizer); with `fixed_batch` every step
     trains on the first step's batch. Where the base is trained, its updates are scaled by
-    `base_lr_scale` (a pretrained base wants a smaller learning rate than a fresh memory)."""
+    `base_lr_scale` (a pretrained base wants a smaller learning rate than a fresh memory). `noun` is
+    what the samples' facts and questions call the code."""
     tokenizer = armt.tokenizer if chat else load_default_tokenizer()
-    frame = chat_frame(tokenizer) if chat else None
+    frame = chat_frame(tokenizer, noun) if chat else None
     if tokenizer.get_vocab_size() > armt.config.vocab_size:
         raise ValueError(
             f"the training text's tokenizer has {tokenizer.get_vocab_size()} ids but the model's "
@@ -351,6 +357,7 @@ def armt_trainer(
             segmenter,
             frame,
             near_fraction,
+            noun,
         )
 
     def loss_fn(params, frozen, batch):

@@ -25,7 +25,14 @@ from tqdm.auto import tqdm
 from jaxlongctx.armt.generation import window_logits, window_starts
 from jaxlongctx.armt.memory import zero_state
 from jaxlongctx.data.chat_retrieval import RetrievalItem, retrieval_set
-from jaxlongctx.data.haystack import CODE_DIGITS, COLOURS, OBJECTS, chat_frame, chat_question_text
+from jaxlongctx.data.haystack import (
+    CODE_DIGITS,
+    COLOURS,
+    DEFAULT_NOUN,
+    OBJECTS,
+    chat_frame,
+    chat_question_text,
+)
 from jaxlongctx.model.llama import forward_hidden
 from jaxlongctx.train.evaluate import exact_match_interval
 
@@ -42,11 +49,12 @@ class ChatCut(NamedTuple):
     end: int
 
 
-def chat_cut(tokenizer: Any) -> ChatCut:
-    """The `ChatCut` of `tokenizer`'s chat template (`end`: the longest question over all subjects)."""
-    frame = chat_frame(tokenizer)
+def chat_cut(tokenizer: Any, noun: str = DEFAULT_NOUN) -> ChatCut:
+    """The `ChatCut` of `tokenizer`'s chat template (`end`: the longest question over all subjects, the
+    code called `noun`)."""
+    frame = chat_frame(tokenizer, noun)
     longest = max(
-        len(tokenizer.encode(chat_question_text(f"{c} {o}"), add_special_tokens=False).ids)
+        len(tokenizer.encode(chat_question_text(f"{c} {o}", noun), add_special_tokens=False).ids)
         for c in COLOURS
         for o in OBJECTS
     )
@@ -181,12 +189,18 @@ def armt_chat_accuracy(
     num_facts: int = 1,
     schedule: str = "diagonal",
     progress: bool = False,
+    noun: str = DEFAULT_NOUN,
 ) -> dict[str, Any]:
     """Exact match of an `ARMTModel` on `samples` held-out chat items of `length` tokens with `num_facts`
-    facts (`retrieval_set`: validation-split filler, depths cycling through DEFAULT_DEPTHS), read as its
-    decoding reads them through `schedule`."""
-    items = retrieval_set(armt.tokenizer, samples, length, num_facts=num_facts)
+    facts (`retrieval_set`: validation-split filler, depths cycling through DEFAULT_DEPTHS, the code
+    called `noun`), read as its decoding reads them through `schedule`."""
+    items = retrieval_set(armt.tokenizer, samples, length, num_facts=num_facts, noun=noun)
     logits = answer_logits(
         armt_digit_logits(armt, schedule), items, f"chat retrieval at {length:,}", progress
     )
-    return {"length": length, "num_facts": num_facts, **exact_match(argmax_digits(logits), items)}
+    return {
+        "length": length,
+        "num_facts": num_facts,
+        "noun": noun,
+        **exact_match(argmax_digits(logits), items),
+    }
