@@ -11,7 +11,7 @@ its hidden sibling `.DIR.jaxlongctx-tmp-*`) receives, as each step ends:
   gpu_pytest.json        `pytest -m gpu`: the real Pallas kernels against their references
   gpu_kernels.json       grouped GEMM vs einsum / ragged_dot, PQ decode attention vs bf16 attention (1K-32K)
   gpu_armt_schedule.json ARMT diagonal (vmapped cell, grouped-GEMM kernel) vs sequential, Llama-3.2-1B shape, 16K-128K
-  gpu_pq_decode.json     dense vs PQ decode per token at 32K (Llama-2-7B shape, bf16)
+  gpu_pq_decode.json     dense vs PQ decode per token at 32K (Llama-2-7B shape, bf16; 8- and 4-bit codes)
   gpu_real_model.json    SmolLM2 prefill and decode (when bench/real_model.py exists)
   gpu_summary.json       every ratio beside the fraction of the measured ceiling, the goals, device and versions
 plus each bench's PNG as gpu_<step>.png and every step's full output under logs/. The parent process
@@ -81,9 +81,21 @@ def steps() -> list[Step]:
         ),
         Step(
             "pq_decode",
-            ("bench.pq_decode", "--contexts", "32768"),
-            ("bench.pq_decode", "--contexts", "256", "--steps", "2", "--repeats", "1", "--ds", "4"),
-            75,
+            ("bench.pq_decode", "--contexts", "32768", "--bits", "8,4"),
+            (
+                "bench.pq_decode",
+                "--contexts",
+                "256",
+                "--steps",
+                "2",
+                "--repeats",
+                "1",
+                "--ds",
+                "4",
+                "--bits",
+                "8,4",
+            ),
+            100,
         ),
         # the real SmolLM2 has no toy size (its CPU runs are bench.real_model's own, minutes long)
         Step("real_model", ("bench.real_model", "--quick"), None, 40, needs="bench/real_model.py"),

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pallas_kernels.pq_codes import code_bytes
+
 GOAL_DIAGONAL_SPEEDUP = 2.0
 GOAL_PQ_ATTENTION_SPEEDUP = 2.0
 GOAL_GEMM_SLOWDOWN = 1.10  # grouped GEMM time at most this times ragged_dot's
@@ -116,15 +118,23 @@ def armt_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[str, An
 
 
 def decode_bytes(
-    model: dict[str, Any], context: int, dtype_bytes: int, *, sub_dim: int | None = None, window: int = 0
+    model: dict[str, Any],
+    context: int,
+    dtype_bytes: int,
+    *,
+    sub_dim: int | None = None,
+    window: int = 0,
+    code_bits: int = 8,
 ) -> int:
     """Bytes one decode step reads: every layer's weights, the head, and the cache (dense, or PQ
-    codes `[L K T M]` uint8 plus the exact window when `sub_dim` is given)."""
+    codes `[L K T M]` uint8, two a byte where `code_bits` <= 4, plus the exact window when `sub_dim`
+    is given)."""
     L, K, hd = model["num_layers"], model["num_kv_heads"], model["head_dim"]
     weights = (L * layer_matmul_params(model) + model["vocab_size"] * model["hidden_size"]) * dtype_bytes
     if sub_dim is None:
         return weights + 2 * L * K * context * hd * dtype_bytes
-    return weights + 2 * L * K * (context * hd // sub_dim + window * hd * dtype_bytes)
+    codes = code_bytes(2**code_bits, hd // sub_dim)
+    return weights + 2 * L * K * (context * codes + window * hd * dtype_bytes)
 
 
 def pq_decode_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
@@ -141,11 +151,20 @@ def pq_decode_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[st
             )
             for key in row:
                 if key.startswith("pq_ds") and key.endswith("_s_per_token") and "amortized" not in key:
-                    ds = int(key.removeprefix("pq_ds").split("_")[0])
-                    read = decode_bytes(model, row["context"], dtype_bytes, sub_dim=ds, window=cfg["window"])
-                    entry[f"pq_ds{ds}_fraction_of_bandwidth"] = read / row[key] / bandwidth
+                    name = key.removesuffix("_s_per_token")
+                    ds, bits = _cache_shape(name)
+                    read = decode_bytes(
+                        model, row["context"], dtype_bytes, sub_dim=ds, window=cfg["window"], code_bits=bits
+                    )
+                    entry[f"{name}_fraction_of_bandwidth"] = read / row[key] / bandwidth
         rows.append(entry)
     return {"rows": rows}
+
+
+def _cache_shape(name: str) -> tuple[int, int]:
+    """(ds, code bits) of a pq_decode cache name: pq_ds2 -> (2, 8), pq_ds2_4bit -> (2, 4)."""
+    ds, _, bits = name.removeprefix("pq_ds").partition("_")
+    return int(ds), int(bits.removesuffix("bit")) if bits else 8
 
 
 def goals(ratios: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Time per output token, dense bf16/fp32 cache vs PQ cache (ds 2 and 4, 8-bit codes), plus cache bytes vs context.
+"""Time per output token, dense bf16/fp32 cache vs PQ cache (ds 2 and 4; 8-bit codes, and with `--bits 8,4`
+4-bit codes two a byte), plus cache bytes vs context.
 
 Decode steps are the ones `generate` runs (jitted, cache donated), timed side by side in one run
 (interleaved, median of repeats) over a cache already holding `context` tokens; the PQ window
@@ -55,6 +56,11 @@ def _our_config() -> ModelConfig:
 
     path = BASE_MODEL / "config.json"
     return ModelConfig.from_dict(json.loads(path.read_text())["config"]) if path.is_file() else SMALL
+
+
+def cache_name(ds: int, bits: int) -> str:
+    """The timing rows' name of a PQ cache: pq_ds2 (8-bit codes), pq_ds2_4bit, ..."""
+    return f"pq_ds{ds}" + ("" if bits == 8 else f"_{bits}bit")
 
 
 def _random_codebooks(cfg: ModelConfig, ds: int, bits: int = 8):
@@ -115,14 +121,17 @@ def _pq_chain(model, codebooks, context: int, total_steps: int, window: int, bat
     """PQ decode positioned after `context` cached tokens (context - R/2 coded, R/2 exact)."""
     from jaxlongctx.kvcache.pq_cache import PQCache
     from jaxlongctx.pq_generate import _compiled
+    from pallas_kernels.pq_codes import code_bytes
 
     cfg = model.config
     exact = window // 2
     capacity = context + total_steps + window
     _, step = _compiled(model, capacity, window, False, (0.0, None, None), (), 0, "auto")
     k_cent, v_cent = codebooks.stacked()
-    codes_shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, codebooks.num_subspaces)
-    codes = jax.random.randint(jax.random.key(2), codes_shape, 0, codebooks.num_centroids).astype(jnp.uint8)
+    width = code_bytes(codebooks.num_centroids, codebooks.num_subspaces)  # M, or M/2 packed
+    codes_shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, width)
+    top = codebooks.num_centroids if width == codebooks.num_subspaces else 256  # packed: any byte
+    codes = jax.random.randint(jax.random.key(2), codes_shape, 0, top).astype(jnp.uint8)
     win = jax.random.normal(
         jax.random.key(3), (cfg.num_layers, batch, cfg.num_kv_heads, window, cfg.head_dim), model.dtype
     )
@@ -200,6 +209,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=[2, 4],
         help="comma-separated PQ sub-vector sizes (default 2,4)",
     )
+    p.add_argument(
+        "--bits",
+        type=lambda v: [int(b) for b in v.split(",")],
+        default=[8],
+        help="comma-separated code bits (default 8; 4: 16 centroids, codes two a byte)",
+    )
     args = p.parse_args(argv)
     use_quick_results(args.quick)
 
@@ -210,31 +225,31 @@ def main(argv: list[str] | None = None) -> dict:
     cfg, dtype = (LLAMA2_7B, jnp.bfloat16) if gpu else (_our_config(), jnp.float32)
     contexts = args.contexts or [1024, 2048, 4096, 8192] + ([] if args.quick else [16384, 32768])
     model = Model.init(cfg, dtype=dtype)
-    books = {ds: _random_codebooks(cfg, ds) for ds in args.ds}
+    books = {cache_name(ds, bits): _random_codebooks(cfg, ds, bits) for ds in args.ds for bits in args.bits}
     total = args.steps * (args.repeats + 1)
     timing = []
     for n in contexts:
         fns = {"dense": _dense_chain(model, n, total, args.batch)}
-        for ds, cb in books.items():
-            fns[f"pq_ds{ds}"] = _pq_chain(model, cb, n, total, args.window, args.batch)
+        for name, cb in books.items():
+            fns[name] = _pq_chain(model, cb, n, total, args.window, args.batch)
         times = interleaved_times(
             {k: (lambda f=f: f(args.steps)) for k, f in fns.items()}, repeats=args.repeats
         )
         row = {"context": n, **{f"{k}_s_per_token": v["median_s"] / args.steps for k, v in times.items()}}
-        for ds in books:
-            row[f"dense_over_pq_ds{ds}"] = row["dense_s_per_token"] / row[f"pq_ds{ds}_s_per_token"]
+        for name in books:
+            row[f"dense_over_{name}"] = row["dense_s_per_token"] / row[f"{name}_s_per_token"]
         timing.append(row)
         print(row, flush=True)
         del fns
     flush = {
-        f"pq_ds{ds}_flush_s": _flush_seconds(model, cb, args.window, args.batch, args.repeats)
-        for ds, cb in books.items()
+        f"{name}_flush_s": _flush_seconds(model, cb, args.window, args.batch, args.repeats)
+        for name, cb in books.items()
     }
     for row in timing:  # amortize one flush per R tokens
-        for ds in books:
-            amortized = row[f"pq_ds{ds}_s_per_token"] + flush[f"pq_ds{ds}_flush_s"] / args.window
-            row[f"pq_ds{ds}_amortized_s_per_token"] = amortized
-            row[f"dense_over_pq_ds{ds}_amortized"] = row["dense_s_per_token"] / amortized
+        for name in books:
+            amortized = row[f"{name}_s_per_token"] + flush[f"{name}_flush_s"] / args.window
+            row[f"{name}_amortized_s_per_token"] = amortized
+            row[f"dense_over_{name}_amortized"] = row["dense_s_per_token"] / amortized
     payload = {
         "config": {
             "model_config": cfg.to_dict(),
@@ -244,8 +259,10 @@ def main(argv: list[str] | None = None) -> dict:
             "steps_per_call": args.steps,
             "repeats": args.repeats,
             "contexts": contexts,
-            "ds": list(books),
-            "codebooks": "shared, 8-bit, random centroids",
+            "ds": args.ds,
+            "bits": args.bits,
+            "caches": list(books),
+            "codebooks": "shared, random centroids; codes of at most 4 bits stored two a byte",
             "quick": args.quick,
             "pq_backend": "pallas" if gpu else ("native" if native_kernel_error() is None else "xla"),
         },
@@ -263,12 +280,12 @@ def _plot(payload: dict, path: Path) -> None:
     fig, (a, b) = subplots(1, 2, figsize=(11, 4))
     ctx = [r["context"] for r in payload["timing"]]
     a.plot(ctx, [1e3 * r["dense_s_per_token"] for r in payload["timing"]], "o-", label="dense")
-    for ds in payload["config"]["ds"]:
+    for name in payload["config"]["caches"]:
         a.plot(
             ctx,
-            [1e3 * r[f"pq_ds{ds}_amortized_s_per_token"] for r in payload["timing"]],
+            [1e3 * r[f"{name}_amortized_s_per_token"] for r in payload["timing"]],
             "o-",
-            label=f"pq ds{ds} (flush amortized)",
+            label=f"{name.replace('_', ' ')} (flush amortized)",
         )
     a.set(
         xscale="log",

@@ -203,7 +203,8 @@ def pq_decode_attention(
     With `layer`, k_codes/v_codes hold every layer's codes `[L, B, K, T, M]` and layer `layer`'s are
     attended: the native kernel reads them in place, the other backends take the layer's slice.
     Codes may be packed two a byte (`[..., M/2]`, at most 16 centroids; `pallas_kernels.pq_codes`):
-    the native kernel scores them in registers, the other backends unpack them first.
+    the native kernel scores them in registers and the Pallas kernel reads them as they are (half the
+    bytes a token); the XLA path unpacks them first.
     """
     resolved = _resolve_pq_backend(backend)
     stacked = None
@@ -216,7 +217,10 @@ def pq_decode_attention(
         k_codes, v_codes = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in stacked)
     lengths, res_lengths = jnp.asarray(lengths), jnp.asarray(res_lengths)
     packed = is_packed(k_codes, k_cent)
-    if packed and not (resolved == "native" and reads_packed(k_cent.shape[-1])):
+    reads_as_is = resolved in ("pallas", "interpret") or (
+        resolved == "native" and reads_packed(k_cent.shape[-1])
+    )
+    if packed and not reads_as_is:
         k_codes, v_codes = unpack_codes(k_codes), unpack_codes(v_codes)
         stacked = None if stacked is None else tuple(unpack_codes(c) for c in stacked)
         packed = False
@@ -228,7 +232,8 @@ def pq_decode_attention(
         )
         return out.astype(q.dtype)
     batch, heads, head_dim = q.shape
-    kv_heads, capacity, subspaces = k_codes.shape[1:]
+    kv_heads, capacity = k_codes.shape[1:3]
+    subspaces = k_cent.shape[-3]
     group = heads // kv_heads
     window_out, window_lse = _window_partials(q, k_res, v_res, res_lengths, scale)  # [B K G D], [B K G]
     outs, lses = [window_out[:, :, None]], [window_lse[:, :, None]]  # partials along a split axis S

@@ -2,7 +2,8 @@
 
 Codes of at most 16 centroids (4-bit codes) over an even number of subspaces M are stored two a byte,
 `[..., M/2]` uint8: subspace 2p in the low nibble of byte p, subspace 2p + 1 in the high one. That
-halves the cache and is the layout the CPU kernel's register path reads; the other paths unpack.
+halves the cache; the CPU kernel's register path and the Pallas GPU kernel read it as it is, the
+XLA path unpacks.
 """
 
 from __future__ import annotations

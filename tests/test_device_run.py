@@ -53,7 +53,9 @@ def test_cpu_dry_run_runs_every_step(tmp_path):
     armt = ratios["armt_schedule"]["rows"][0]
     for method in ("diagonal/vmap", "diagonal/grouped_matmul"):
         assert armt[f"{method}_speedup_over_sequential"] > 0 and armt[f"{method}_fraction_of_matmul_peak"] > 0
-    assert ratios["pq_decode"]["rows"][0]["dense_over_pq_ds4"] > 0
+    pq = ratios["pq_decode"]["rows"][0]
+    assert pq["dense_over_pq_ds4"] > 0 and pq["dense_over_pq_ds4_4bit"] > 0  # 8-bit codes, 4-bit packed
+    assert pq["pq_ds4_fraction_of_bandwidth"] > 0 and pq["pq_ds4_4bit_fraction_of_bandwidth"] > 0
     assert set(summary["goals"]) == {
         "diagonal_over_sequential",
         "pq_attention_over_bf16",
@@ -64,6 +66,18 @@ def test_cpu_dry_run_runs_every_step(tmp_path):
         "gpu_kernels.png",
         "gpu_pq_decode.png",
     ]
+
+
+def test_decode_bytes_count_packed_codes_at_half_a_byte():
+    from bench.device_summary import decode_bytes
+
+    model = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 64, "hidden_size": 256}
+    model |= {"intermediate_size": 512, "num_heads": 4, "vocab_size": 1000}
+    weights = decode_bytes(model, 0, 2, sub_dim=2)
+    eight = decode_bytes(model, 1000, 2, sub_dim=2, window=128) - weights  # 32 codes a byte each
+    four = decode_bytes(model, 1000, 2, sub_dim=2, window=128, code_bits=4) - weights
+    window = 2 * 2 * 4 * 128 * 64 * 2
+    assert eight - window == 2 * 2 * 4 * 1000 * 32 and four - window == 2 * 2 * 4 * 1000 * 16
 
 
 def test_failed_and_timed_out_steps_are_recorded_and_the_rest_run(tmp_path):

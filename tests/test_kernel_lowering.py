@@ -17,6 +17,7 @@ from pallas_kernels import grouped_matmul, pq_decode_attention
 from pallas_kernels.grouped_matmul_kernel import GemmBlocks, choose_blocks, grouped_matmul_pallas
 from pallas_kernels.pq_attention_kernel import PQBlocks, padded_group, pq_coded_partials_pallas
 from pallas_kernels.pq_attention_kernel import choose_blocks as choose_pq_blocks
+from pallas_kernels.pq_codes import code_bytes
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"),
@@ -72,10 +73,13 @@ def test_non_power_of_two_gemm_block_is_rejected():
         _lower_for_h200(fn, _sds((2, 96, 64), jnp.float32), _sds((2, 64, 64), jnp.float32))
 
 
-def _pq_structs(batch, kv_heads, group, head_dim, sub_dim, capacity, window, per_head, q_dtype, cent_dtype):
+def _pq_structs(
+    batch, kv_heads, group, head_dim, sub_dim, capacity, window, per_head, q_dtype, cent_dtype, centroids=256
+):
+    """Abstract arguments of pq_decode_attention; codes of at most 16 centroids packed two a byte."""
     subspaces = head_dim // sub_dim
-    cent = (kv_heads, subspaces, 256, sub_dim) if per_head else (subspaces, 256, sub_dim)
-    codes = _sds((batch, kv_heads, capacity, subspaces), jnp.uint8)
+    cent = (kv_heads, subspaces, centroids, sub_dim) if per_head else (subspaces, centroids, sub_dim)
+    codes = _sds((batch, kv_heads, capacity, code_bytes(centroids, subspaces)), jnp.uint8)
     res = _sds((batch, kv_heads, window, head_dim), q_dtype)
     lengths = _sds((batch,), jnp.int32)
     return (
@@ -102,6 +106,17 @@ def test_pq_attention_lowers(head_dim, sub_dim, group):
     structs = _pq_structs(3, 8, group, head_dim, sub_dim, 1000, 128, per_head, q_dtype, q_dtype)
     fn = lambda *a: pq_decode_attention(*a, head_dim**-0.5, backend="pallas")
     assert _lower_for_h200(fn, *structs).count(TRITON_CALL) == 1
+
+
+@pytest.mark.parametrize("head_dim, sub_dim, group", [(64, 2, 3), (128, 2, 8), (64, 4, 1), (128, 4, 16)])
+def test_pq_attention_reads_packed_codes_on_the_gpu(head_dim, sub_dim, group):
+    """4-bit codes two a byte go into the Triton kernel as they are: no unpacked [.., M] code array."""
+    structs = _pq_structs(2, 8, group, head_dim, sub_dim, 1000, 128, group > 1, jnp.bfloat16, jnp.float32, 16)
+    fn = lambda *a: pq_decode_attention(*a, head_dim**-0.5, backend="pallas")
+    text = _lower_for_h200(fn, *structs)
+    assert text.count(TRITON_CALL) == 1
+    packed, unpacked = (f"tensor<2x8x1000x{m}xui8>" for m in (head_dim // sub_dim // 2, head_dim // sub_dim))
+    assert packed in text and unpacked not in text
 
 
 def test_pq_default_tiles_cover_every_size():

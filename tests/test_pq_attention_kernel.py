@@ -175,8 +175,8 @@ def test_native_register_path_matches_oracle(case):
 
 @pytest.mark.parametrize("backend", ["native", "xla", "interpret"])
 def test_packed_codes_on_every_path(backend):
-    """Every backend takes packed codes: unpacked where it does not read them (ds 8 on native, all of
-    XLA and Pallas); the same codes one a byte give the same output."""
+    """Every backend takes packed codes: read as they are by native (ds 1, 2, 4) and Pallas, unpacked
+    first by XLA and by native at ds 8; the same codes one a byte give the same output."""
     if backend == "native":
         _require_native()
     for sub_dim in (2, 8) if backend == "native" else (2,):
@@ -318,6 +318,24 @@ def test_split_k_tiling_and_merge():
     )
     got = merge_partials(outs.reshape(*outs.shape[:4], 64), lses).reshape(want.shape)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_split_k_tiling_reads_packed_codes():
+    """The Pallas kernel on codes two a byte, several tiles and splits: the same partials as unpacked."""
+    q, k_codes, v_codes, k_cent, v_cent, lengths, *_, scale = _case(
+        capacity=100, lengths=(100, 37, 64), per_head=True, centroids=16, sub_dim=4
+    )
+    lut = lookup_tables(q, k_cent, 2, 4, scale)  # [B K G M C]
+    blocks = PQBlocks(tokens=16, tiles_per_split=2, num_splits=4, num_warps=4)
+    run = lambda kc, vc: pq_coded_partials_pallas(lut, kc, vc, v_cent, lengths, interpret=True, blocks=blocks)
+    (want_out, want_lse), (got_out, got_lse) = (
+        run(k_codes, v_codes),
+        run(pack_codes(k_codes), pack_codes(v_codes)),
+    )
+    np.testing.assert_allclose(got_out, want_out, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(got_lse, want_lse, atol=1e-6, rtol=1e-6)  # the sums in another order
+    with pytest.raises(ValueError, match="do not hold"):
+        run(k_codes[..., :3], v_codes[..., :3])
 
 
 def test_bad_backend_and_inputs():
