@@ -172,7 +172,10 @@ def load_armt(path: Path, base_dtype: str) -> tuple[ARMTModel, dict[str, Any]]:
     if record.is_file():
         runs = json.loads(record.read_text()).get("runs", [])
         info["training"] = [
-            {k: run.get(k) for k in ("command", "steps", "curriculum", "noun", "final_loss", "train_wall_s")}
+            {
+                **{k: run.get(k) for k in ("command", "steps", "curriculum", "final_loss", "train_wall_s")},
+                "noun": run.get("noun") or run.get("hyperparams", {}).get("noun"),  # a run, or a checkpoint
+            }
             for run in runs
         ]
     return memory_in_float32(armt), info

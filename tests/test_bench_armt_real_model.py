@@ -208,6 +208,10 @@ def test_chat_train_run_scores_chat_items_and_its_last_checkpoint_holds_the_save
     saved_info = armt_real_model.load_armt(tmp_path / "model", "bf16")[1]
     assert armt_real_model.trained_noun(saved_info) == "secret number"
     assert armt_real_model.trained_noun({"kind": "saved model"}) == "code"
+    export_armt(step_dir, base_dir, tmp_path / "exported", 2, jnp.float32)  # a training checkpoint record
+    exported_info = armt_real_model.load_armt(tmp_path / "exported", "bf16")[1]
+    assert armt_real_model.trained_noun(exported_info) == "secret number"
+    assert not (tmp_path / "exported/base_adapter").exists()  # the frozen base: nothing to adapt
     assert armt.dtype == np.dtype("bfloat16") and armt.armt.segment_size == saved.armt.segment_size
     for name in ("memory", "wq", "wk", "wv", "wb", "bb"):  # float32, as trained and saved
         trained = np.asarray(getattr(armt.memory, name)[...])

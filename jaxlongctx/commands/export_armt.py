@@ -88,8 +88,12 @@ def export_armt(
         "tensors": report,
     }
     record["export"] = export
-    armt.save(
-        out, overwrite=overwrite, base_reference=reference, base_adapter=adapter, training_record=record
+    armt.save(  # a base left as it was (a --freeze-base run) needs no adapter
+        out,
+        overwrite=overwrite,
+        base_reference=reference,
+        base_adapter=adapter or None,
+        training_record=record,
     )
     return export
 
