@@ -95,7 +95,7 @@ def steps() -> list[Step]:
                 "--bits",
                 "8,4",
             ),
-            100,
+            90,
         ),
         # the real SmolLM2 has no toy size (its CPU runs are bench.real_model's own, minutes long)
         Step("real_model", ("bench.real_model", "--quick"), None, 40, needs="bench/real_model.py"),
