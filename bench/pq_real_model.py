@@ -151,7 +151,8 @@ def per_head_settings(calib_window: int) -> list[Setting]:
 def packed_settings(calib_window: int) -> list[Setting]:
     """4-bit codes (16 centroids a subspace, stored two a byte), which the CPU decode kernel scores in
     vector registers: ds 1 (4 bits per element) and ds 2 (2 bits), per layer, every token quantized and
-    with the first 4 and last 128 tokens exact; ds 2 with the last 256 and 512 exact."""
+    with the first 4 and last 128 tokens exact; ds 2 with the last 256 and 512 exact; ds 1 with
+    codebooks per layer and head (16 levels per channel of each kv head), with those exact tokens."""
     w = calib_window
     return [
         *(
@@ -160,6 +161,7 @@ def packed_settings(calib_window: int) -> list[Setting]:
             for exact in (("attention", SINKS, RECENT), ("none",))
         ),
         *(pq(2, "layer", "attention", SINKS, r, bits=4, calib_window=w) for r in (2 * RECENT, 4 * RECENT)),
+        pq(1, "layer_head", "attention", SINKS, RECENT, bits=4, calib_window=w),
     ]
 
 

@@ -72,6 +72,12 @@ def codebooks_dir(ckpt, tmp_path_factory):
     return out
 
 
+def test_default_points_per_centroid_samples_about_16k_vectors_a_problem():
+    from jaxlongctx.kvcache.calibrate import default_points_per_centroid
+
+    assert [default_points_per_centroid(b) for b in (4, 6, 8, 10, 12)] == [1024, 256, 64, 64, 64]
+
+
 def test_transforms(model):
     k = jax.random.normal(jax.random.key(0), (1, 40, 1, 16))
     assert kv_transform("dense") is None
@@ -88,6 +94,7 @@ def test_calibrate_cli_and_pq_perplexity(model, ckpt, codebooks_dir):
 
     cb = load_codebooks(codebooks_dir)
     assert cb.granularity == "layer" and cb.metadata["calibration_source"] == "calibration split"
+    assert cb.metadata["points_per_centroid"] == 1024  # 4-bit codes: the default samples 16,384 a problem
     assert cb.model_fingerprint == model_fingerprint(model)
     k = jax.random.normal(jax.random.key(1), (1, 5, 1, 16))
     kq, _ = kv_transform("pq", cb)(k, k, 1)

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxlongctx.cli_options import add_model_argument
 from jaxlongctx.data.tokenizer import encode_corpus
-from jaxlongctx.kvcache.calibrate import calibrate
+from jaxlongctx.kvcache.calibrate import calibrate, default_points_per_centroid
 from jaxlongctx.kvcache.channel_weights import WEIGHTINGS
 from jaxlongctx.kvcache.codebooks import GRANULARITIES, save_codebooks
 from jaxlongctx.loading import load
@@ -48,8 +48,8 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--points-per-centroid",
         type=int,
-        default=64,
-        help="k-means vectors sampled per centroid in each problem (default 64)",
+        help="k-means vectors sampled per centroid in each problem (default: about 16,384 a problem and "
+        "at least 64 a centroid: 64 for 8-bit codes, 1,024 for 4-bit)",
     )
     parser.add_argument(
         "--tol",
@@ -99,7 +99,11 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         progress=True,
         source=source,
-        points_per_centroid=args.points_per_centroid,
+        points_per_centroid=(
+            default_points_per_centroid(args.bits)
+            if args.points_per_centroid is None
+            else args.points_per_centroid
+        ),
         tol=args.tol,
         weighting=args.weighting,
     )

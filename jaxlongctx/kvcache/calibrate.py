@@ -57,6 +57,16 @@ def collect_kv(
     return jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1)
 
 
+SAMPLE_POINTS = 16384  # k-means vectors per problem that `default_points_per_centroid` aims at
+
+
+def default_points_per_centroid(bits: int) -> int:
+    """Vectors sampled per centroid for codes of `bits` bits: about SAMPLE_POINTS per k-means problem and
+    at least 64 a centroid (8-bit codes: 64; 4-bit: 1,024). On SmolLM2 at 8K, 4-bit ds 1 codebooks from
+    64 a centroid (1,024 vectors a problem) cost +2.4% perplexity, from 1,024 a centroid +1.4%."""
+    return max(64, SAMPLE_POINTS >> bits)
+
+
 def calibrate(
     model: Model,
     token_stream: np.ndarray,
