@@ -451,6 +451,11 @@ def merge(name: str) -> dict:
         settings.sort(key=lambda s: order.get(s["name"], len(order)))
         # a setting counts on the items every part answered it on (an --only run may cover fewer)
         settings = [s for s in settings if all(s["name"] in i["answers"] for i in items)]
+        if not all("dense" in i["answers"] for i in items):
+            raise SystemExit(
+                "--part merge: the retrieval runs answer some items without the dense cache, which every "
+                "setting is paired with; run them with dense (--only dense ...) or keep their shard files"
+            )
         rows = []
         dense_hits = [i["answers"]["dense"] == i["answer"] for i in items]
         depths = sorted({i["depth"] for i in items})

@@ -83,3 +83,10 @@ def test_a_run_of_later_items_adds_them_to_the_set(results):
     out = pq_real_model.merge("pq_real_model_t")["retrieval"]
     assert [i["seed"] for i in out["items"]] == [1, 2, 3, 4]
     assert (out["rows"][0]["right"], out["rows"][0]["samples"]) == (3, 4)
+
+
+def test_retrieval_runs_without_dense_are_refused_by_name(results):
+    only = _part(["int4 g128"], {1: {"int4 g128": "11"}}, {1: "11"})  # an --only run, no dense beside it
+    (results / "pq_real_retrieval_t_shard0of1.json").write_text(json.dumps(only))
+    with pytest.raises(SystemExit, match="without the dense cache"):
+        pq_real_model.merge("pq_real_model_t")
