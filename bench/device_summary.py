@@ -152,19 +152,18 @@ def pq_decode_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[st
             for key in row:
                 if key.startswith("pq_ds") and key.endswith("_s_per_token") and "amortized" not in key:
                     name = key.removesuffix("_s_per_token")
-                    ds, bits = _cache_shape(name)
+                    shape = cfg["pq_caches"][name]  # {"ds", "bits"}
                     read = decode_bytes(
-                        model, row["context"], dtype_bytes, sub_dim=ds, window=cfg["window"], code_bits=bits
+                        model,
+                        row["context"],
+                        dtype_bytes,
+                        sub_dim=shape["ds"],
+                        window=cfg["window"],
+                        code_bits=shape["bits"],
                     )
                     entry[f"{name}_fraction_of_bandwidth"] = read / row[key] / bandwidth
         rows.append(entry)
     return {"rows": rows}
-
-
-def _cache_shape(name: str) -> tuple[int, int]:
-    """(ds, code bits) of a pq_decode cache name: pq_ds2 -> (2, 8), pq_ds2_4bit -> (2, 4)."""
-    ds, _, bits = name.removeprefix("pq_ds").partition("_")
-    return int(ds), int(bits.removesuffix("bit")) if bits else 8
 
 
 def goals(ratios: dict[str, Any]) -> dict[str, Any]:

@@ -81,6 +81,19 @@ def _random_codebooks(cfg: ModelConfig, ds: int, bits: int = 8):
     )
 
 
+def random_codes(codebooks, tokens_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """Synthetic K and V codes `[*tokens_shape, M]` uint8 for `codebooks` (decode time does not depend on
+    their values), `[*tokens_shape, M/2]` where codes are packed two a byte (then any byte is valid)."""
+    from pallas_kernels.pq_codes import code_bytes, packs
+
+    centroids, subspaces = codebooks.num_centroids, codebooks.num_subspaces
+    packed = packs(centroids, subspaces)
+    shape = (*tokens_shape, code_bytes(centroids, subspaces))
+    k_codes = jax.random.randint(jax.random.key(2), shape, 0, 256 if packed else centroids).astype(jnp.uint8)
+    v_codes = k_codes ^ 0x11 if packed else (k_codes + 1) % centroids  # other codes, still valid
+    return k_codes, v_codes.astype(jnp.uint8)
+
+
 class _Chain:
     """A decode loop whose state (cache, logits, position) carries over between timed calls."""
 
@@ -121,23 +134,19 @@ def _pq_chain(model, codebooks, context: int, total_steps: int, window: int, bat
     """PQ decode positioned after `context` cached tokens (context - R/2 coded, R/2 exact)."""
     from jaxlongctx.kvcache.pq_cache import PQCache
     from jaxlongctx.pq_generate import _compiled
-    from pallas_kernels.pq_codes import code_bytes
 
     cfg = model.config
     exact = window // 2
     capacity = context + total_steps + window
     _, step = _compiled(model, capacity, window, False, (0.0, None, None), (), 0, "auto")
     k_cent, v_cent = codebooks.stacked()
-    width = code_bytes(codebooks.num_centroids, codebooks.num_subspaces)  # M, or M/2 packed
-    codes_shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, width)
-    top = codebooks.num_centroids if width == codebooks.num_subspaces else 256  # packed: any byte
-    codes = jax.random.randint(jax.random.key(2), codes_shape, 0, top).astype(jnp.uint8)
+    k_codes, v_codes = random_codes(codebooks, (cfg.num_layers, batch, cfg.num_kv_heads, capacity))
     win = jax.random.normal(
         jax.random.key(3), (cfg.num_layers, batch, cfg.num_kv_heads, window, cfg.head_dim), model.dtype
     )
     cache = PQCache(
-        codes,
-        codes + 1,
+        k_codes,
+        v_codes,
         win,
         win * 0.5,
         jnp.full((batch,), context - exact, jnp.int32),
@@ -259,9 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
             "steps_per_call": args.steps,
             "repeats": args.repeats,
             "contexts": contexts,
-            "ds": args.ds,
-            "bits": args.bits,
-            "caches": list(books),
+            "pq_caches": {name: {"ds": cb.ds, "bits": cb.bits} for name, cb in books.items()},
             "codebooks": "shared, random centroids; codes of at most 4 bits stored two a byte",
             "quick": args.quick,
             "pq_backend": "pallas" if gpu else ("native" if native_kernel_error() is None else "xla"),
@@ -280,7 +287,7 @@ def _plot(payload: dict, path: Path) -> None:
     fig, (a, b) = subplots(1, 2, figsize=(11, 4))
     ctx = [r["context"] for r in payload["timing"]]
     a.plot(ctx, [1e3 * r["dense_s_per_token"] for r in payload["timing"]], "o-", label="dense")
-    for name in payload["config"]["caches"]:
+    for name in payload["config"]["pq_caches"]:
         a.plot(
             ctx,
             [1e3 * r[f"{name}_amortized_s_per_token"] for r in payload["timing"]],

@@ -31,14 +31,13 @@ import jax.numpy as jnp
 
 import jaxlongctx
 from bench.common import interleaved_times, plot_path, save_plot, subplots, use_quick_results, write_result
-from bench.pq_decode import _flush_seconds, _random_codebooks
+from bench.pq_decode import _flush_seconds, _random_codebooks, random_codes
 from bench.real_model import read_bandwidth_fns
 from jaxlongctx.kvcache import cache_bytes
 from jaxlongctx.kvcache.dense import DenseCache, dense_cache_bytes
 from jaxlongctx.kvcache.pq_cache import DEFAULT_WINDOW, PQCache
 from jaxlongctx.model.llama import decode_hidden
 from jaxlongctx.pq_generate import pq_decode_hidden
-from pallas_kernels.pq_codes import code_bytes, packs
 
 CONTEXTS = (2048, 8192, 16384, 32768)
 QUICK_CONTEXTS = (2048, 8192)
@@ -101,16 +100,11 @@ def pq_chain(
     exact = min(window // 2, context)
     capacity = context + steps_total + window
     k_cent, v_cent = codebooks.stacked()
-    packed = packs(codebooks.num_centroids, codebooks.num_subspaces)  # two 4-bit codes a byte
-    width = code_bytes(codebooks.num_centroids, codebooks.num_subspaces)
-    codes_shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, width)
-    top = 256 if packed else codebooks.num_centroids
-    codes = jax.random.randint(jax.random.key(2), codes_shape, 0, top).astype(jnp.uint8)
+    k_codes, v_codes = random_codes(codebooks, (cfg.num_layers, batch, cfg.num_kv_heads, capacity))
     win_shape = (cfg.num_layers, batch, cfg.num_kv_heads, window, cfg.head_dim)
     win = jax.random.normal(jax.random.key(3), win_shape, model.dtype)
     lengths = jnp.full((batch,), context - exact, jnp.int32)
-    v_codes = codes ^ 0x11 if packed else (codes + 1) % codebooks.num_centroids
-    cache = PQCache(codes, v_codes, win, win * 0.5, lengths, jnp.full((batch,), exact, jnp.int32))
+    cache = PQCache(k_codes, v_codes, win, win * 0.5, lengths, jnp.full((batch,), exact, jnp.int32))
 
     def step(params, k_cent, v_cent, ids, positions, cache: PQCache):
         module = model.merge(params)
