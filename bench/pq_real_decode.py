@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     contexts = args.contexts or list(QUICK_CONTEXTS if args.quick else CONTEXTS)
 
     from jaxlongctx.pretrained import smollm2_gguf
-    from pallas_kernels.pq_attention_cpu import native_kernel_error
+    from pallas_kernels.pq_attention_cpu import bf16_register_path, native_kernel_error
 
     dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
     model = jaxlongctx.load(args.model or smollm2_gguf(), dtype)
@@ -233,8 +233,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "depend on cached values); PQ: context - R/2 coded tokens and R/2 exact ones",
         "pq_backends": {
             "pq_ds*": "auto: the native C++ CPU kernel (pallas_kernels/pq_attention_cpu.cc); 4-bit codes "
-            "through its register path",
+            "through its register path, in bf16 at ds 1 and 2 for a bf16 model on CPUs with AVX512-BF16",
             f"{XLA_PATH}_xla": "xla: lookup-table gathers in XLA (the previous CPU path)",
+        },
+        "bf16_register_path": {  # which 4-bit caches the kernel scored in bf16 on this machine
+            name: args.dtype == "bf16" and bf16_register_path(ds)
+            for name, (ds, bits, _) in PQ_CACHES.items()
+            if bits == 4 and name in args.caches
         },
         "native_kernel_error": native_kernel_error(),
         "ceiling": "read bandwidth (faster of an XLA and a torch float32 sum over 1 GiB, timed between the "

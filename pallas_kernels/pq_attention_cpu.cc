@@ -17,7 +17,10 @@
 //    subspace's lookup table, per query head, is one 16-float vector and a tile of 16 tokens is
 //    scored by one permute of it with their 16 codes; the values are the value centroids permuted the
 //    same way, weighted and summed per lane. A tile's code bytes are first transposed in registers
-//    from [16 tokens, M/2] to [M/2, 16 tokens] (CodeTranspose).
+//    from [16 tokens, M/2] to [M/2, 16 tokens] (CodeTranspose). With bf16 queries (attr bf16_math, a
+//    bf16 model) at ds 1 and 2, on CPUs with AVX512-BF16, keys and values are looked up as bf16 and
+//    multiplied in pairs by vdpbf16ps instead (scores_bf16, values_bf16): q, the centroids and the
+//    weights at bf16, as the model's own attention rounds them, with float32 sums.
 //  - window (row b, kv head k): exact attention of the G heads over the first win_lengths[b] slots.
 // The partials of each (b, k, g) are then merged by log-sum-exp into out, so the step's XLA graph has
 // one operation for the layer's attention.
@@ -25,7 +28,7 @@
 // Shapes: q f32 [B K G hd] (scale folded in); k_codes/v_codes u8 [L B K T M] (or [L B K T M/2] packed
 // 4-bit codes); k_cent/v_cent f32
 // [Kc M C ds] (Kc = 1 shared or K); lengths s32 [B]; k_win/v_win f32 or bf16 [B K R hd]; win_lengths
-// s32 [B]; layer s32 []; out f32 [B K G hd] (0 for a head that sees no token); attr splits.
+// s32 [B]; layer s32 []; out f32 [B K G hd] (0 for a head that sees no token); attrs splits, bf16_math.
 
 #include <algorithm>
 #include <cmath>
@@ -77,6 +80,7 @@ inline v4 exp4(v4 x) { return jaxlongctx::exp_nonpositive<v4, v4i>(x); }
 
 constexpr int64_t kTile = 16;         // tokens per vector
 constexpr int64_t kSmallChunk = 128;  // tokens scored before their weights are applied to the values
+constexpr int64_t kPrefetchTokens = 2 * 128;  // how far ahead of its transpose a tile's codes are fetched
 constexpr int64_t kMaxCodeBytes = 256;  // packed code bytes per token the register path takes (M <= 512)
 
 typedef uint8_t v64b __attribute__((vector_size(64)));
@@ -191,6 +195,7 @@ struct Problem {
   bool bf16_window;
   int64_t code_bytes;  // per token and kv head: M, or M / 2 packed
   bool packed;  // packed 4-bit codes: the register path
+  bool bf16_math;  // bf16 queries: the register path at ds 1 and 2 computes in bf16 where the CPU can
   const CodeTranspose* transpose;  // of code_bytes columns, for the register path
 
   int64_t coded_tasks() const { return batch * kv_heads * blocks * splits; }
@@ -268,6 +273,8 @@ struct Scratch {
   std::vector<float> lut, bins, scores, vtab;
   std::vector<v4> q_lanes;
   std::vector<uint8_t> k_tiles, v_tiles;  // the register path's transposed codes of one chunk
+  std::vector<uint16_t> ktab16, vtab16;  // the bf16 register path's tables (bf16_tables)
+  std::vector<uint32_t> qpair;
 };
 
 // Scores within this many nats under the running reference keep their weights: the reference moves
@@ -275,14 +282,160 @@ struct Scratch {
 // headroom, so a slowly rising maximum rescales the histogram a few times instead of every chunk.
 constexpr float kHeadroom = 8.0f;
 
+// ---- packed 4-bit codes at ds 1 and 2 with AVX512-BF16: the bf16 register path ----
+//
+// Keys and values are looked up as bf16 (a 32-entry word permute) and multiplied in pairs by
+// vdpbf16ps, which sums two bf16 products into each fp32 lane: keys pair a token's two dims with the
+// query's, values pair two tokens' values of one dim with their weights. Half the instructions of the
+// fp32 path per token, at bf16 precision for q, the centroids and the weights (the model's own K/V
+// cache is bf16); accumulation stays fp32.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define JAXLONGCTX_BF16_PATH 1
+template <int DS>
+constexpr bool kBf16Path = DS == 1 || DS == 2;
+
+inline uint16_t bf16_bits(float v) {
+  const float r = jaxlongctx::round_to_bf16(v);
+  uint32_t bits;
+  std::memcpy(&bits, &r, sizeof(bits));
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline __m512i load512(const void* p) { return _mm512_loadu_si512(p); }
+inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// The bf16 tables of one task (scratch.ktab16 / vtab16 / qpair):
+//   keys [M/2, 32] words at ds 1 (a code byte's two dims: entries 0-15 the low nibble's dim, 16-31 the
+//     high nibble's) or [M, 16] dwords at ds 2 (a centroid's two dims as one dword);
+//   values [D, 32] words (entry c of dim d: v_cent[d / DS, c, d % DS]; 16-31 zero);
+//   q pairs [H, hd/2] dwords: the head's dims 2i (low half) and 2i + 1, scale included.
+template <int H, int DS>
+void bf16_tables(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_t cent_base, Scratch& scratch) {
+  const int64_t M = p.subspaces, C = p.centroids, D = M * DS, hd = p.head_dim;
+  scratch.ktab16.assign(M * DS * 16, 0);
+  scratch.vtab16.assign(D * 32, 0);
+  scratch.qpair.resize(H * hd / 2);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c)
+      for (int j = 0; j < DS; ++j) {
+        const float key = p.k_cent[cent_base + (m * C + c) * DS + j];
+        const int64_t slot = DS == 1 ? (m / 2) * 32 + (m % 2) * 16 + c : m * 32 + 2 * c + j;
+        scratch.ktab16[slot] = bf16_bits(key);
+        scratch.vtab16[(m * DS + j) * 32 + c] = bf16_bits(p.v_cent[cent_base + (m * C + c) * DS + j]);
+      }
+  for (int h = 0; h < H; ++h) {
+    const float* q = p.q + ((b * p.kv_heads + k) * p.group + nb * kLanes + h) * hd;
+    for (int64_t i = 0; i < hd / 2; ++i)
+      scratch.qpair[h * hd / 2 + i] = bf16_bits(q[2 * i]) | static_cast<uint32_t>(bf16_bits(q[2 * i + 1])) << 16;
+  }
+}
+
+// Scores of a chunk's tiles: w[h, 16 i + t] = sum_d q_h[d] k[t, d] with k from the bf16 key tables.
+// kScoreTiles tiles at a time share the query broadcasts and keep that many independent sums per head
+// in flight (one tile's sums alone wait on the latency of vdpbf16ps); past the chunk's last tile the
+// scratch holds stale codes, whose scores land in w slots the softmax never reads.
+constexpr int64_t kScoreTiles = 4;
+static_assert(kSmallChunk % (kScoreTiles * kTile) == 0, "a chunk is whole groups of score tiles");
+
+template <int H, int DS>
+void scores_bf16(const Scratch& scratch, const uint8_t* k_tiles, int64_t tiles, int64_t N, int64_t hd, float* w) {
+  constexpr int T = kScoreTiles;
+  const uint16_t* ktab = scratch.ktab16.data();
+  const uint32_t* qpair = scratch.qpair.data();
+  const __m512i low_nibbles = _mm512_set1_epi32(0x000F000F), high_table = _mm512_set1_epi32(0x00100000);
+  for (int64_t i0 = 0; i0 < tiles; i0 += T) {
+    __m512 sc[T][H];
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < H; ++h) sc[t][h] = _mm512_setzero_ps();
+    const uint8_t* codes = k_tiles + i0 * kTile * N;
+    for (int64_t col = 0; col < N; ++col) {
+      __m512i x[T];  // 16 tokens' code bytes a tile
+      for (int t = 0; t < T; ++t) x[t] = _mm512_cvtepu8_epi32(load128(codes + (t * N + col) * kTile));
+      if constexpr (DS == 1) {  // word 2t: the low nibble; word 2t + 1: the high nibble + 16
+        const __m512i table = load512(ktab + col * 32);
+        __m512bh keys[T];
+        for (int t = 0; t < T; ++t) {
+          const __m512i idx = _mm512_or_si512(
+              _mm512_and_si512(_mm512_or_si512(x[t], _mm512_slli_epi32(x[t], 12)), low_nibbles), high_table);
+          keys[t] = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+        }
+        for (int h = 0; h < H; ++h) {
+          const __m512bh qh = (__m512bh)_mm512_set1_epi32(qpair[h * hd / 2 + col]);
+          for (int t = 0; t < T; ++t) sc[t][h] = _mm512_dpbf16_ps(sc[t][h], keys[t], qh);
+        }
+      } else {  // two subspaces a byte; the dword permute reads the low 4 bits
+        for (int u = 0; u < 2; ++u) {
+          const __m512i table = load512(ktab + (2 * col + u) * 32);
+          __m512bh keys[T];
+          for (int t = 0; t < T; ++t)
+            keys[t] = (__m512bh)_mm512_permutexvar_epi32(u ? _mm512_srli_epi32(x[t], 4) : x[t], table);
+          for (int h = 0; h < H; ++h) {
+            const __m512bh qh = (__m512bh)_mm512_set1_epi32(qpair[h * hd / 2 + 2 * col + u]);
+            for (int t = 0; t < T; ++t) sc[t][h] = _mm512_dpbf16_ps(sc[t][h], keys[t], qh);
+          }
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < H; ++h) _mm512_storeu_ps(w + h * kSmallChunk + (i0 + t) * kTile, sc[t][h]);
+  }
+}
+
+// acc[h, d, lane] += weighted values of a chunk: two tiles (32 tokens) per step, the bf16 weights of
+// tokens 2l and 2l + 1 in lane l; an odd last tile is paired with zero weights.
+template <int H, int DS>
+void values_bf16(const Scratch& scratch, const uint8_t* v_tiles, int64_t tiles, int64_t N, float* w, float* acc) {
+  const int64_t D = 2 * N * DS, pairs = (tiles + 1) / 2;
+  if (tiles % 2)
+    for (int h = 0; h < H; ++h) std::fill_n(w + h * kSmallChunk + tiles * kTile, kTile, 0.0f);
+  __m512bh weights[H][kSmallChunk / 32];
+  for (int h = 0; h < H; ++h)
+    for (int64_t l = 0; l < pairs; ++l) {
+      const float* wh = w + h * kSmallChunk + 2 * l * kTile;
+      weights[h][l] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(wh + kTile), _mm512_loadu_ps(wh));
+    }
+  const __m512i nibble = _mm512_set1_epi16(15);
+  for (int64_t col = 0; col < N; ++col) {  // dims [2 DS col, 2 DS col + 2 DS): the byte's two subspaces
+    __m512i table[2 * DS];
+    __m512 part[H][2 * DS];
+    for (int e = 0; e < 2 * DS; ++e) {
+      table[e] = load512(scratch.vtab16.data() + (2 * DS * col + e) * 32);
+      for (int h = 0; h < H; ++h) part[h][e] = _mm512_setzero_ps();
+    }
+    for (int64_t l = 0; l < pairs; ++l) {
+      const uint8_t* first = v_tiles + 2 * l * kTile * N + col * kTile;
+      const __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(load128(first)), load128(first + kTile * N), 1);
+      const __m512i words = _mm512_cvtepu8_epi16(bytes);  // 32 tokens' code bytes
+      const __m512i codes[2] = {_mm512_and_si512(words, nibble), _mm512_srli_epi16(words, 4)};
+      for (int e = 0; e < 2 * DS; ++e) {
+        const __m512bh vals = (__m512bh)_mm512_permutexvar_epi16(codes[e / DS], table[e]);
+        for (int h = 0; h < H; ++h) part[h][e] = _mm512_dpbf16_ps(part[h][e], vals, weights[h][l]);
+      }
+    }
+    for (int h = 0; h < H; ++h)
+      for (int e = 0; e < 2 * DS; ++e) {
+        float* a = acc + (h * D + 2 * DS * col + e) * kTile;
+        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), part[h][e]));
+      }
+  }
+}
+
+inline v16 bf16_round(v16 x) { return (v16)_mm512_cvtpbh_ps(_mm512_cvtneps_pbh((__m512)x)); }
+#else
+#define JAXLONGCTX_BF16_PATH 0
+template <int DS>
+constexpr bool kBf16Path = false;
+#endif
+
 // A coded task on the register path (packed 4-bit codes, ds = DS, H query heads of the lane block):
 // the same result as coded_task. Per chunk of kSmallChunk tokens: their codes transposed per tile, scores
 // sc[h, t] = sum_m lut[h, m][k_code[t, m]] (16 tokens per permute), the online softmax of
 // coded_task, then per subspace m and dim j the value centroids permuted by the tile's codes and
 // summed with the weights into acc[h, m*DS + j] (16 lanes each, summed across lanes at the end).
-template <int H, int DS>
+template <int H, int DS, bool BF16>
 void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_t lo, int64_t hi, Scratch& scratch,
                       float* out, float* lse) {
+  constexpr bool kBf16 = BF16 && kBf16Path<DS>;  // the bf16 register path
   const int64_t M = p.subspaces, C = p.centroids, D = M * DS, hd = p.head_dim, N = p.code_bytes;
   const int64_t code_base = (b * p.kv_heads + k) * p.capacity * N;
   const int64_t cent_base = (p.cent_heads > 1 ? k : 0) * M * C * DS;
@@ -297,7 +450,10 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
   w.resize(H * kSmallChunk);
   scratch.k_tiles.resize(kSmallChunk * N);
   scratch.v_tiles.resize(kSmallChunk * N);
-  for (int h = 0; h < H; ++h) {
+#if JAXLONGCTX_BF16_PATH
+  if constexpr (kBf16) bf16_tables<H, DS>(p, b, k, nb, cent_base, scratch);
+#endif
+  for (int h = 0; h < H && !kBf16; ++h) {
     const float* q = p.q + ((b * p.kv_heads + k) * p.group + nb * kLanes + h) * hd;
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = 0; c < C; ++c) {
@@ -307,7 +463,7 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
         lut[(h * M + m) * kTile + c] = dot;
       }
   }
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; m < M && !kBf16; ++m)
     for (int64_t c = 0; c < C; ++c)
       for (int j = 0; j < DS; ++j) vtab[(m * DS + j) * kTile + c] = p.v_cent[cent_base + (m * C + c) * DS + j];
 
@@ -323,6 +479,11 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
       const int64_t first = t0 + i * kTile, count = std::min(kTile, hi - first);
       const uint8_t* kc = p.k_codes + code_base + first * N;
       const uint8_t* vc = p.v_codes + code_base + first * N;
+      if (first + kPrefetchTokens + kTile <= hi)  // this tile of a later chunk, on its way from memory
+        for (int64_t line = 0; line < kTile * N; line += 64) {
+          __builtin_prefetch(kc + kPrefetchTokens * N + line);
+          __builtin_prefetch(vc + kPrefetchTokens * N + line);
+        }
       if (count < kTile) {  // the row's last tokens: pad the tile with code 0 (weight 0 below)
         uint8_t kpad[kTile * kMaxCodeBytes] = {}, vpad[kTile * kMaxCodeBytes] = {};
         std::memcpy(kpad, kc, count * N);
@@ -334,7 +495,10 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
         transpose(vc, v_tiles + i * kTile * N);
       }
     }
-    for (int64_t i = 0; i < tiles; ++i) {  // scores
+#if JAXLONGCTX_BF16_PATH
+    if constexpr (kBf16) scores_bf16<H, DS>(scratch, k_tiles, tiles, N, hd, w.data());
+#endif
+    for (int64_t i = 0; i < tiles && !kBf16; ++i) {  // scores
       v16 sc[H] = {};
       const uint8_t* codes = k_tiles + i * kTile * N;
       for (int64_t pair = 0; pair < N; ++pair) {  // subspaces 2 pair (low nibbles) and 2 pair + 1 (high)
@@ -370,6 +534,9 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
       for (int64_t i = 0; i < tiles; ++i) {
         v16 wi = jaxlongctx::exp_nonpositive<v16, v16i>(load(wh + i * kTile) - ref[h]);
         if (i == tiles - 1) wi = lane < valid ? wi : v16{};
+#if JAXLONGCTX_BF16_PATH
+        if constexpr (kBf16) wi = bf16_round(wi);  // the weights values_bf16 multiplies
+#endif
         store16(wh + i * kTile, wi);
         sum += wi;
       }
@@ -377,7 +544,10 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
     }
     // values, S = 2 subspaces (a byte's two codes) at a time where their sums fit the registers
     constexpr int S = H * DS <= 8 ? 2 : 1;
-    for (int64_t m0 = 0; m0 < M; m0 += S) {
+#if JAXLONGCTX_BF16_PATH
+    if constexpr (kBf16) values_bf16<H, DS>(scratch, v_tiles, tiles, N, w.data(), acc.data());
+#endif
+    for (int64_t m0 = 0; m0 < M && !kBf16; m0 += S) {
       v16 table[S][DS], part[H][S][DS] = {};
       for (int u = 0; u < S; ++u)
         for (int j = 0; j < DS; ++j) table[u][j] = load(vtab.data() + ((m0 + u) * DS + j) * kTile);
@@ -414,15 +584,22 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
   }
 }
 
-template <int DS>
+template <int DS, bool BF16>
 void coded_task_small_heads(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_t lo, int64_t hi,
                             Scratch& scratch, float* out, float* lse) {
   switch (std::min<int64_t>(kLanes, p.group - nb * kLanes)) {
-    case 1: return coded_task_small<1, DS>(p, b, k, nb, lo, hi, scratch, out, lse);
-    case 2: return coded_task_small<2, DS>(p, b, k, nb, lo, hi, scratch, out, lse);
-    case 3: return coded_task_small<3, DS>(p, b, k, nb, lo, hi, scratch, out, lse);
-    default: return coded_task_small<4, DS>(p, b, k, nb, lo, hi, scratch, out, lse);
+    case 1: return coded_task_small<1, DS, BF16>(p, b, k, nb, lo, hi, scratch, out, lse);
+    case 2: return coded_task_small<2, DS, BF16>(p, b, k, nb, lo, hi, scratch, out, lse);
+    case 3: return coded_task_small<3, DS, BF16>(p, b, k, nb, lo, hi, scratch, out, lse);
+    default: return coded_task_small<4, DS, BF16>(p, b, k, nb, lo, hi, scratch, out, lse);
   }
+}
+
+template <int DS>
+void coded_task_small_math(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_t lo, int64_t hi,
+                           Scratch& scratch, float* out, float* lse) {
+  if (p.bf16_math) return coded_task_small_heads<DS, true>(p, b, k, nb, lo, hi, scratch, out, lse);
+  coded_task_small_heads<DS, false>(p, b, k, nb, lo, hi, scratch, out, lse);
 }
 
 // A coded task: tokens [lo, hi) of row b, kv head k, query-head block nb -> coded_out [4 hd], coded_lse [4].
@@ -445,9 +622,9 @@ void coded_task(const Problem& p, int64_t task, Scratch& scratch) {
     return;
   }
   if (p.packed) {
-    if (ds == 1) return coded_task_small_heads<1>(p, b, k, nb, lo, hi, scratch, out, lse);
-    if (ds == 2) return coded_task_small_heads<2>(p, b, k, nb, lo, hi, scratch, out, lse);
-    return coded_task_small_heads<4>(p, b, k, nb, lo, hi, scratch, out, lse);
+    if (ds == 1) return coded_task_small_math<1>(p, b, k, nb, lo, hi, scratch, out, lse);
+    if (ds == 2) return coded_task_small_math<2>(p, b, k, nb, lo, hi, scratch, out, lse);
+    return coded_task_small_heads<4, false>(p, b, k, nb, lo, hi, scratch, out, lse);
   }
   scratch.lut.resize(M * C * kLanes);
   scratch.bins.assign(M * row, 0.0f);
@@ -586,7 +763,8 @@ ffi::Error PqDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
                                  ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> k_cent,
                                  ffi::Buffer<ffi::F32> v_cent, ffi::Buffer<ffi::S32> lengths,
                                  ffi::AnyBuffer k_win, ffi::AnyBuffer v_win, ffi::Buffer<ffi::S32> win_lengths,
-                                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t splits) {
+                                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t splits,
+                                 int64_t bf16_math) {
   const auto qd = q.dimensions(), cd = k_codes.dimensions(), kd = k_cent.dimensions(), wd = k_win.dimensions();
   if (qd.size() != 4 || cd.size() != 5 || kd.size() != 4 || wd.size() != 4) {
     return ffi::Error::InvalidArgument("pq_decode_attention: unexpected operand ranks");
@@ -615,7 +793,7 @@ ffi::Error PqDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
                   v_cent.typed_data(), lengths.typed_data(), k_win.untyped_data(), v_win.untyped_data(),
                   win_lengths.typed_data(), coded_out.data(), coded_lse.data(), window_out.data(),
                   window_lse.data(), B, K, G, hd, blocks, M, C, cd[3], kd[0], ds, splits, wd[2], bf16,
-                  N, packed, packed ? &code_transpose(N) : nullptr};
+                  N, packed, bf16_math != 0, packed ? &code_transpose(N) : nullptr};
   jaxlongctx::run_tasks<Scratch>(pool, pool.num_threads(), p.coded_tasks() + B * K,
                                  [p](int64_t t, Scratch& s) { run_task(p, t, s); });
   merge(p, out->typed_data());
@@ -638,4 +816,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PqDecodeAttention, PqDecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("splits"));
+                                  .Attr<int64_t>("splits")
+                                  .Attr<int64_t>("bf16_math"));

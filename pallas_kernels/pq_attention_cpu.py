@@ -9,7 +9,8 @@ that score 4 query heads at once, an online softmax, a per-centroid weight histo
 reconstructed values); per (row, kv head) it attends over the exact window; then it merges them by
 log-sum-exp. Packed 4-bit codes (`pallas_kernels.pq_codes`) take a register path instead: a
 subspace's 16-entry lookup table is one vector register, permuted by 16 tokens' codes at once, and
-the values are the value centroids permuted the same way. It is compiled with the C++ compiler (`$CXX`, default `g++`) against JAX's FFI headers
+the values are the value centroids permuted the same way. For a bf16 model at ds 1 and 2 that path
+looks keys and values up as bf16 and multiplies them in pairs (vdpbf16ps): half the instructions. It is compiled with the C++ compiler (`$CXX`, default `g++`) against JAX's FFI headers
 into a per-user cache (`$JAXLONGCTX_KERNEL_CACHE`, default `~/.cache/jaxlongctx/kernels`), keyed by
 the source, the jaxlib version and the CPU (`pallas_kernels.native_build`), and registered with XLA
 once per process. Without a compiler `native_kernel_error()` says why and callers keep the XLA path.
@@ -35,6 +36,13 @@ LANES = 4  # query heads per lookup-table entry (one 16-byte load)
 def native_kernel_error() -> str | None:
     """Build and register the CPU kernel once per process; None on success, else why it is unavailable."""
     return native_build.build_and_register(SOURCE, "PqDecodeAttention", TARGET)
+
+
+def bf16_register_path(sub_dim: int) -> bool:
+    """Whether bf16 queries over packed codes of `sub_dim` dims are scored in bf16 here: ds 1 and 2 on a
+    CPU with AVX512-BF16 (the kernel is built with -march=native); elsewhere they take the fp32 path."""
+    flags = native_build.cpuinfo("flags").split()
+    return sub_dim in (1, 2) and "avx512_bf16" in flags and "avx512bw" in flags
 
 
 def reads_packed(sub_dim: int) -> bool:
@@ -69,6 +77,9 @@ def pq_decode_attention_native(
     [L B K T M] with `layer`, read in place;
     centroids [(K,) M C ds], lengths [B], window k_res/v_res [B K R D] (float32 or bf16), res_lengths [B]
     -> [B H D] float32; heads that see no token give 0.
+    A bf16 `q` (a bf16 model's) lets packed codes at ds 1 and 2 take the bf16 register path on CPUs
+    with AVX512-BF16 (`bf16_register_path`): q, the centroids and the softmax weights rounded to bf16,
+    as the model's own bf16 attention rounds q, K/V and its weights, with float32 sums.
     """
     error = native_kernel_error()
     if error is not None:
@@ -102,5 +113,6 @@ def pq_decode_attention_native(
         res_lengths.astype(jnp.int32),
         jnp.asarray(layer, jnp.int32),
         splits=splits,
+        bf16_math=int(q.dtype == jnp.bfloat16),
     )
     return out.reshape(batch, heads, head_dim)

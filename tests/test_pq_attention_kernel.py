@@ -186,16 +186,68 @@ def test_packed_codes_on_every_path(backend):
         np.testing.assert_allclose(_run(packed, backend), _run(args, backend), atol=2e-5, rtol=2e-5)
 
 
-def test_native_register_path_with_moving_max():
-    """4-bit codes whose scores grow along the row: the register path rescales its sums per chunk."""
+def _check_bf16_register_path(args, sub_dim):
+    """bf16 queries over packed ds 1 and 2 codes: where the CPU has AVX512-BF16 the kernel rounds q, the
+    centroids and the softmax weights to bf16 (as the model's bf16 attention does) and sums in float32:
+    within the weights' rounding of the oracle on bf16 q and centroids, and not the float32 path."""
+    q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale = args
+    to_bf16 = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+    run = lambda q: pq_attention_cpu.pq_decode_attention_native(
+        q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale
+    )
+    got = np.asarray(run(q.astype(jnp.bfloat16)))  # float32 out: no rounding of the result
+    rounded = (to_bf16(q), k_codes, v_codes, to_bf16(k_cent), to_bf16(v_cent), *args[5:])
+    want = np.asarray(_oracle(*rounded))
+    # each weight is off by at most 2^-9 of itself, in the coded partial and in its log-sum-exp
+    bound = 2.0**-7 * float(jnp.abs(v_cent).max())
+    assert np.all(np.isfinite(got)) and np.abs(got - want).max() <= bound
+    float32_path = np.asarray(run(to_bf16(q)))
+    if pq_attention_cpu.bf16_register_path(sub_dim):
+        assert np.abs(got - float32_path).max() > 1e-6
+    else:
+        np.testing.assert_array_equal(got, float32_path)
+
+
+@pytest.mark.parametrize("sub_dim", [1, 2])
+def test_native_bf16_register_path(sub_dim):
     _require_native()
+    case = _case(
+        centroids=16,
+        sub_dim=sub_dim,
+        group=3,
+        kv_heads=3,
+        capacity=700,
+        lengths=(700, 17, 0),
+        window=128,
+        res_lengths=(5, 0, 128),
+        packed=True,
+    )
+    _check_bf16_register_path(case, sub_dim)
+
+
+def _rising_keys_case(sub_dim):
+    """4-bit codes whose scores grow along 2K-token rows (the running max moves chunk after chunk)."""
     q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale = _case(
-        group=3, kv_heads=3, capacity=2048, lengths=(2048, 1000, 2047), centroids=16, packed=True
+        group=3,
+        kv_heads=3,
+        capacity=2048,
+        lengths=(2048, 1000, 2047),
+        centroids=16,
+        sub_dim=sub_dim,
+        packed=True,
     )
     ramp = jnp.arange(k_codes.shape[2], dtype=jnp.int32)[None, None, :, None] * 16 // k_codes.shape[2]
     k_cent = k_cent + jnp.arange(16, dtype=jnp.float32)[None, :, None] * 0.8
-    k_codes = pack_codes(jnp.broadcast_to(ramp, (*k_codes.shape[:3], 32)))
-    _check((q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale), "native", 1e-4)
+    k_codes = pack_codes(jnp.broadcast_to(ramp, (*k_codes.shape[:3], 2 * k_codes.shape[3])))
+    return q, k_codes, v_codes, k_cent, v_cent, lengths, k_res, v_res, res_lengths, scale
+
+
+def test_native_register_path_with_moving_max():
+    """The register path rescales its sums per chunk, in float32 and in bf16."""
+    _require_native()
+    _check(_rising_keys_case(2), "native", 1e-4)
+    for sub_dim in (1, 2):
+        _check_bf16_register_path(_rising_keys_case(sub_dim), sub_dim)
 
 
 @pytest.mark.parametrize("case", NATIVE_CASES)
