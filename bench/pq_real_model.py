@@ -32,6 +32,7 @@ from bench.common import plot_path, save_plot, subplots, use_quick_results, writ
 
 RECENT = 128  # exact recent window (MILLION's R, KIVI's residual)
 SINKS = 4  # exact first tokens
+OBSERVED_EXACT = (64, 256)  # prompt tokens per layer and kv head the question attends to, kept exact
 CALIBRATION_KEYS = ("calib_tokens", "kmeans_iters", "points_per_centroid")  # a run's k-means settings
 GROUP = 128  # KIVI group size
 
@@ -49,6 +50,7 @@ class Setting:
     recent: int = 0
     bits: int = 8  # PQ code width (8: 256 centroids per subspace)
     calib_window: int = 512  # tokens per calibration window (post-RoPE keys are seen up to this position)
+    observed: int = 0  # prompt tokens per layer and kv head kept exact for the question (retrieval only)
 
     @property
     def codebook_key(self) -> str:
@@ -68,6 +70,7 @@ def pq(
     recent: int = 0,
     bits: int = 8,
     calib_window: int = 512,
+    observed: int = 0,
 ) -> Setting:
     """A PQ setting named after its parts ("cal8K": codebooks from 8,192-token calibration windows)."""
     extras = [
@@ -81,11 +84,12 @@ def pq(
                 f"cal{calib_window // 1024}K" if calib_window % 1024 == 0 else f"cal{calib_window}",
                 calib_window != 512,
             ),
+            (f"obs{observed}", observed),
         )
         if on
     ]
     name = " ".join([f"pq ds{ds} {granularity}", *extras])
-    return Setting(name, "pq", ds, granularity, weighting, sinks, recent, bits, calib_window)
+    return Setting(name, "pq", ds, granularity, weighting, sinks, recent, bits, calib_window, observed)
 
 
 def ppl_settings(context: int) -> list[Setting]:
@@ -169,8 +173,9 @@ def retrieval_settings(context: int) -> list[Setting]:
     """Dense, 4-bit PQ with every prompt token quantized and with the exact tokens of the perplexity
     table's best setting, each with codebooks from 512-token and from `context`-token calibration
     windows, the per-head rows of `per_head_settings`, ds 1 with packed 4-bit codes (4 bits per element)
-    with and without those exact tokens, and the int4 baseline with and without the recent window; the
-    decoded tokens are exact in every cache."""
+    with and without those exact tokens and with the `OBSERVED_EXACT` tokens per layer and kv head that
+    the prompt's last tokens attend to most also exact, and the int4 baseline with and without the
+    recent window; the decoded tokens are exact in every cache."""
     return [
         Setting("dense", "dense"),
         pq(2, "layer"),
@@ -180,6 +185,10 @@ def retrieval_settings(context: int) -> list[Setting]:
         *per_head_settings(context),
         pq(1, "layer", "attention", SINKS, RECENT, bits=4, calib_window=context),  # 4 bits, packed codes
         pq(1, "layer", bits=4, calib_window=context),
+        *(  # and the tokens the question attends to exact
+            pq(1, "layer", "attention", SINKS, RECENT, bits=4, calib_window=context, observed=n)
+            for n in OBSERVED_EXACT
+        ),
         Setting("int4 g128", "int4"),
         Setting(f"int4 g128 R{RECENT}", "int4", recent=RECENT),
     ]
@@ -193,14 +202,16 @@ def bits_per_element(setting: Setting, config: Any, tokens: int, codebooks: Any 
 
     if setting.kind == "dense":
         return 16.0
-    exact = min(tokens, setting.sinks + setting.recent)
+    exact = min(tokens, setting.sinks + setting.recent + setting.observed)
+    # observed tokens are chosen per layer and kv head: each stores its position (int32)
+    positions = 32 * setting.observed / (2 * config.head_dim * tokens)
     if setting.kind != "pq":
         coded_bits = effective_bits(int(setting.kind[3:]), GROUP)
         return ((tokens - exact) * coded_bits + exact * 16) / tokens
     report = pq_cache_report(config, codebooks, tokens, exact)
     weights = 0 if not codebooks.weighted else 4 * (codebooks.key_weights.size + codebooks.value_weights.size)
     elements = 2 * config.num_layers * config.num_kv_heads * tokens * config.head_dim
-    return report["bits_per_element"] + 8 * weights / elements
+    return report["bits_per_element"] + 8 * weights / elements + positions
 
 
 class CodebookStore:
@@ -342,6 +353,7 @@ def run_retrieval(model: Any, store: CodebookStore, args: argparse.Namespace, co
     """This shard's retrieval items, each prefilled once and answered over every cache."""
     from jaxlongctx.data.chat_retrieval import retrieval_set
     from jaxlongctx.kv_retrieval import PromptCache, answer
+    from jaxlongctx.kvcache.observed_tokens import OBSERVE
 
     index, count = args.shard
     items = retrieval_set(
@@ -368,7 +380,8 @@ def run_retrieval(model: Any, store: CodebookStore, args: argparse.Namespace, co
     }
     for n, item in enumerate(items, 1):
         t0 = time.perf_counter()
-        prompt_cache = PromptCache(model, item.prompt, args.retrieval_context)
+        observe = OBSERVE if any(s.observed for s in settings) else 0  # the question's last tokens
+        prompt_cache = PromptCache(model, item.prompt, args.retrieval_context, observe=observe)
         prefill_s = time.perf_counter() - t0
         answers = {}
         for s in settings:
@@ -376,7 +389,14 @@ def run_retrieval(model: Any, store: CodebookStore, args: argparse.Namespace, co
                 cb = store.get(s) if s.kind == "pq" else None
                 transforms[s.name] = transform_of(s, cb)
                 bits[s.name] = round(bits_per_element(s, model.config, args.retrieval_context, cb), 4)
-            digits = answer(model, prompt_cache, item, transforms[s.name], recent_exact=s.recent)
+            digits = answer(
+                model,
+                prompt_cache,
+                item,
+                transforms[s.name],
+                recent_exact=s.recent,
+                observed_exact=s.observed,
+            )
             answers[s.name] = model.tokenizer.decode([int(d) for d in digits])
         payload["items"].append(
             {

@@ -4,7 +4,9 @@ This follows PQ generation (MILLION): the prompt is prefilled in full precision,
 then quantized into the cache, and every answer token attends over that cache plus the exact keys of
 the tokens decoded since (the recent window). A quantized cache is given as a `KVTransform` (see
 `jaxlongctx.kv_quality.kv_transform`); attention over its reconstruction is what the lookup-table
-kernel computes. One prefill per item serves every cache.
+kernel computes. Some prompt tokens may stay exact: the last ones (MILLION's recent window) and those
+the prompt's last tokens attend to most (`jaxlongctx.kvcache.observed_tokens`). One prefill per item
+serves every cache.
 """
 
 from __future__ import annotations
@@ -18,22 +20,32 @@ import numpy as np
 
 from jaxlongctx.data.chat_retrieval import RetrievalItem
 from jaxlongctx.data.haystack import CODE_DIGITS
-from jaxlongctx.model.llama import decode_hidden, forward_hidden
+from jaxlongctx.kvcache.observed_tokens import ObservingPrefill, observed_exact_mask, observed_slots
+from jaxlongctx.model.llama import decode_hidden, forward_hidden, forward_with
 from jaxlongctx.model.model import Model
 from jaxlongctx.train.evaluate import KVTransform
 
 
 class PromptCache:
-    """The full-precision prefill of one prompt, padded to `capacity` slots: keys/values `[L, 1, S, K, hd]`."""
+    """The full-precision prefill of one prompt, padded to `capacity` slots: keys/values `[L, 1, S, K, hd]`;
+    with `observe`, also the queries of its last `observe` tokens `[L, 1, observe, H, hd]` (`q_observed`)."""
 
-    def __init__(self, model: Model, prompt: np.ndarray, capacity: int):
+    def __init__(self, model: Model, prompt: np.ndarray, capacity: int, observe: int = 0):
         n = int(prompt.size)
         if n >= capacity:
             raise ValueError(f"prompt of {n} tokens does not fit a cache of {capacity} slots")
+        if not 0 <= observe < n:
+            raise ValueError(f"observe must be in [0, {n}) for a prompt of {n} tokens, got {observe}")
         ids = np.zeros((1, capacity), np.int32)
         ids[0, :n] = prompt
         self.length, self.mask = n, jnp.asarray(np.arange(capacity)[None] < n)
-        self.k, self.v = _compiled(model)[0](model.params, jnp.asarray(ids), self.mask)
+        self.observe, self.q_observed = observe, None
+        if observe:
+            self.k, self.v, self.q_observed = _observing_prefill(model, observe)(
+                model.params, jnp.asarray(ids), self.mask
+            )
+        else:
+            self.k, self.v = _compiled(model)[0](model.params, jnp.asarray(ids), self.mask)
 
 
 def _compiled(model: Model) -> tuple[Callable, Callable]:
@@ -55,6 +67,25 @@ def _compiled(model: Model) -> tuple[Callable, Callable]:
     return fns
 
 
+def _observing_prefill(model: Model, observe: int) -> Callable:
+    """Jitted prefill returning k, v `[L, B, S, K, hd]` and the last `observe` tokens' queries, cached on the model."""
+    fns = model.__dict__.setdefault("_kv_retrieval_observing", {})
+    if observe not in fns:
+
+        def prefill(params, ids, mask):
+            attend = ObservingPrefill(mask, observed_slots(mask, observe))
+            return forward_with(model.merge(params), ids, mask, attend)[1]
+
+        fns[observe] = jax.jit(prefill)
+    return fns[observe]
+
+
+@partial(jax.jit, static_argnames="keep")
+def _observed_exact(q_observed: jnp.ndarray, k: jnp.ndarray, start: jnp.ndarray, keep: int) -> jnp.ndarray:
+    """`observed_exact_mask` of every layer: `[L, B, S, K]`."""
+    return jax.lax.map(lambda x: observed_exact_mask(x[0], x[1], start, keep), (q_observed, k))
+
+
 @lru_cache(maxsize=32)
 def _quantizer(transform: KVTransform) -> Callable:
     """`quantize_layers` of one transform, jitted once (every item of a retrieval set reuses it)."""
@@ -74,16 +105,25 @@ def answer(
     item: RetrievalItem,
     transform: KVTransform | None,
     recent_exact: int = 0,
+    observed_exact: int = 0,
 ) -> np.ndarray:
     """Greedy code digits `[CODE_DIGITS]` after the forced answer prefix, the prompt's K/V through
-    `transform` except its last `recent_exact` tokens, kept exact (MILLION's recent window)."""
+    `transform` except its last `recent_exact` tokens (MILLION's recent window) and, per layer and kv
+    head, the `observed_exact` tokens the prompt's last tokens attend to most, kept exact (the prompt
+    cache must have observed them)."""
     k, v = prompt_cache.k, prompt_cache.v
+    if observed_exact and prompt_cache.q_observed is None:
+        raise ValueError("observed_exact needs a PromptCache made with observe > 0")
     if transform is not None:
         # pad slots repeat the last prompt token, so a quantizer with statistics over groups of tokens
         # (the uniform baseline) sees only the prompt's own values
         last = jnp.minimum(jnp.arange(k.shape[2]), prompt_cache.length - 1)
         kq, vq = _quantizer(transform)(k[:, :, last], v[:, :, last])
         exact = (jnp.arange(k.shape[2]) >= prompt_cache.length - recent_exact)[None, None, :, None, None]
+        if observed_exact:
+            start = jnp.asarray([prompt_cache.length - prompt_cache.observe], jnp.int32)
+            chosen = _observed_exact(prompt_cache.q_observed, k, start, observed_exact)  # [L, B, S, K]
+            exact = exact | chosen[..., None]
         k, v = jnp.where(exact, k, kq), jnp.where(exact, v, vq)
     cache_k, cache_v = (x.transpose(0, 1, 3, 2, 4) for x in (k, v))  # [L, B, K, S, hd]
     state = {"k": cache_k, "v": cache_v, "valid": prompt_cache.mask, "position": prompt_cache.length}

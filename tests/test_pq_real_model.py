@@ -176,9 +176,8 @@ def test_pq_generation_refuses_weighted_codebooks(smollm2_fp32, weighted_codeboo
         generate(smollm2_fp32, ids, SamplingParams(2), cache=PQKV(weighted_codebooks))
 
 
-def test_recent_exact_prompt_tokens_bypass_the_transform():
-    """Answers over a destroyed prompt cache with every prompt token in the exact recent window equal
-    the dense answers; with none exact they are the destroyed cache's."""
+def _tiny_retrieval_case(observe):
+    """A random 2-layer model, a 40-token prompt as a retrieval item, and its prompt cache."""
     import jaxlongctx
     from jaxlongctx.config import ModelConfig
     from jaxlongctx.data.chat_retrieval import RetrievalItem
@@ -196,8 +195,90 @@ def test_recent_exact_prompt_tokens_bypass_the_transform():
     rng = np.random.default_rng(3)
     prompt = rng.integers(3, 97, 40).astype(np.int32)
     item = RetrievalItem(prompt, rng.integers(3, 97, 3).astype(np.int32), np.zeros(4, np.int32), "", 0.5, 0)
-    cache = PromptCache(model, prompt, 64)
+    return model, item, PromptCache(model, prompt, 64, observe=observe)
+
+
+def test_recent_exact_prompt_tokens_bypass_the_transform():
+    """Answers over a destroyed prompt cache with every prompt token in the exact recent window equal
+    the dense answers; with none exact they are the destroyed cache's."""
+    model, item, cache = _tiny_retrieval_case(observe=0)
     scramble = lambda k, v, layer: (-3.0 * k[..., ::-1, :, :], jnp.flip(v, axis=2) * 0.0)
     dense = answer(model, cache, item, None)
-    np.testing.assert_array_equal(answer(model, cache, item, scramble, recent_exact=prompt.size), dense)
+    np.testing.assert_array_equal(answer(model, cache, item, scramble, recent_exact=item.prompt.size), dense)
     assert not np.array_equal(answer(model, cache, item, scramble), dense)
+
+
+def test_observing_prefill_returns_the_last_tokens_queries():
+    """The observing prefill gives the plain prefill's keys/values and, as observed queries, the first
+    layer's post-RoPE queries of the prompt's last tokens (projected here from the embeddings)."""
+    from jaxlongctx.model.llama import positions_from_mask
+
+    model, item, cache = _tiny_retrieval_case(observe=8)
+    plain = PromptCache(model, item.prompt, 64)
+    np.testing.assert_allclose(cache.k, plain.k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(cache.v, plain.v, rtol=1e-6, atol=1e-6)
+    assert cache.q_observed.shape == (2, 1, 8, 4, 12)
+    n = item.prompt.size
+    module = model.merge(model.params)
+    ids = jnp.zeros((1, 64), jnp.int32).at[0, :n].set(jnp.asarray(item.prompt))
+    cos, sin = module.rope(positions_from_mask(cache.mask))
+    h = module.embed_ids(ids)
+    _, queries = module.scan_layers(lambda layer, c, _: (c, layer._project_qkv(h, cos, sin)[0]), None)
+    np.testing.assert_allclose(cache.q_observed[0], queries[0][:, n - 8 : n], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(cache.q_observed[1], queries[1][:, n - 8 : n], atol=1e-3)  # layer 1 sees layer 0
+
+
+def test_observed_exact_mask_keeps_the_most_attended_keys():
+    """A key the observed queries point at is chosen with its pooled neighbours, `keep` per row and kv
+    head, never at or after the first observed slot."""
+    from jaxlongctx.kvcache.observed_tokens import observed_exact_mask, observed_slots
+
+    np.testing.assert_array_equal(
+        observed_slots(jnp.asarray([[1] * 6 + [0] * 2, [1] * 8]), 3), [[3, 4, 5], [5, 6, 7]]
+    )
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((2, 50, 2, 8)) * 0.1, jnp.float32)  # [B, S, K, hd]
+    target = jnp.zeros(8).at[0].set(1.0)
+    k = k.at[0, 17, 1].set(target * 10).at[1, 3, 0].set(target * 10)  # row 0 head 1 at 17, row 1 head 0 at 3
+    q = jnp.broadcast_to(target * 10, (2, 4, 4, 8))  # [B, W, H, hd]: every head looks for `target`
+    start = jnp.asarray([40, 45])
+    mask = observed_exact_mask(q, k, start, keep=5, pool=3)  # [B, S, K]
+    assert mask.shape == (2, 50, 2)
+    np.testing.assert_array_equal(mask.sum(axis=1), 5)
+    assert bool(mask[0, 17, 1]) and bool(mask[0, 16, 1]) and bool(mask[0, 18, 1])  # pooled neighbours
+    assert bool(mask[1, 3, 0]) and not mask[0, 40:].any() and not mask[1, 45:].any()
+    with pytest.raises(ValueError, match="keep must be"):
+        observed_exact_mask(q, k, start, keep=0)
+
+
+def test_observed_exact_prompt_tokens_bypass_the_transform():
+    """With every token before the observed ones chosen and the observed ones in the recent window, a
+    destroyed prompt cache answers as dense; asking for observed tokens needs an observing prefill."""
+    model, item, cache = _tiny_retrieval_case(observe=8)
+    scramble = lambda k, v, layer: (-3.0 * k[..., ::-1, :, :], jnp.flip(v, axis=2) * 0.0)
+    dense = answer(model, cache, item, None)
+    n = item.prompt.size
+    np.testing.assert_array_equal(
+        answer(model, cache, item, scramble, recent_exact=8, observed_exact=n - 8), dense
+    )
+    assert not np.array_equal(answer(model, cache, item, scramble, recent_exact=8, observed_exact=4), dense)
+    with pytest.raises(ValueError, match="made with observe"):
+        answer(model, PromptCache(model, item.prompt, 64), item, scramble, observed_exact=4)
+    with pytest.raises(ValueError, match="observe must be"):
+        PromptCache(model, item.prompt, 64, observe=n)
+
+
+def test_observed_exact_tokens_count_in_bits_per_element(smollm2_fp32, weighted_codebooks):
+    """Each observed token is a bf16 K/V entry instead of a code, plus its position (int32)."""
+    from bench.pq_real_model import bits_per_element, pq
+
+    cfg, tokens = smollm2_fp32.config, 8192
+    base = pq(4, "layer", "attention", 4, 128, bits=4)
+    with_observed = pq(4, "layer", "attention", 4, 128, bits=4, observed=256)
+    assert with_observed.name == base.name + " obs256"
+    extra = bits_per_element(with_observed, cfg, tokens, weighted_codebooks) - bits_per_element(
+        base, cfg, tokens, weighted_codebooks
+    )
+    code_bits = 4 / 4  # 4-bit codes over ds 4
+    want = 256 * (16 - code_bits) / tokens + 32 * 256 / (2 * cfg.head_dim * tokens)
+    assert extra == pytest.approx(want, rel=0.02)

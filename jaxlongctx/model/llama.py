@@ -161,15 +161,22 @@ def positions_from_mask(mask: jnp.ndarray) -> jnp.ndarray:
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def forward_hidden(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, collect_kv: bool = False):
-    """Full causal forward; returns hidden states `[B, T, D]` and, if asked, per-layer post-RoPE
-    k/v `[L, B, T, K, hd]` (for filling a cache)."""
+def forward_with(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, attend):
+    """Full forward of ids `[B, T]` (padding mask `[B, T]`) with the attention strategy `attend` (see
+    `attention_strategies`) in every layer; returns hidden states `[B, T, D]` and its aux per layer,
+    stacked on a leading `L` axis."""
     cos, sin = model.rope(positions_from_mask(mask))
 
     def body(layer: DecoderLayer, h, _):
-        return layer(h, cos, sin, CausalPrefill(mask, collect_kv=collect_kv))
+        return layer(h, cos, sin, attend)
 
-    h, kv = model.scan_layers(body, model.embed_ids(ids))
+    return model.scan_layers(body, model.embed_ids(ids))
+
+
+def forward_hidden(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, collect_kv: bool = False):
+    """Full causal forward; returns hidden states `[B, T, D]` and, if asked, per-layer post-RoPE
+    k/v `[L, B, T, K, hd]` (for filling a cache)."""
+    h, kv = forward_with(model, ids, mask, CausalPrefill(mask, collect_kv=collect_kv))
     return (h, kv) if collect_kv else h
 
 

@@ -1,0 +1,79 @@
+"""Prompt tokens that the prompt's last tokens attend to, kept exact beside a quantized cache.
+
+A quantized cache blurs every key a little; over thousands of tokens that noise can bury the one key
+a question needs. The prefill is exact, and the prompt's last tokens (a chat prompt's question and
+the answer's opening) already attend to what they need there. So per layer and kv head, the `keep`
+tokens that the last `observe` queries weight most (their softmax weights summed over those queries
+and the kv head's query heads, then max-pooled over `pool` neighbouring positions so that a fact's
+tokens come together) are kept exact and the others quantized: SnapKV's selection of the tokens a
+question needs, used to choose which tokens escape quantization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxlongctx.model.attention_strategies import CausalPrefill
+
+OBSERVE = 32  # last prompt tokens whose attention chooses the exact tokens
+POOL = 7  # neighbouring positions whose weights a token takes the largest of
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservingPrefill:
+    """Causal prefill attention that also returns the post-RoPE queries at slots `slots [B, W]`.
+
+    aux: (k, v, q_observed `[B, W, H, hd]`) per layer.
+    """
+
+    key_valid: jnp.ndarray
+    slots: jnp.ndarray
+
+    def __call__(self, q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray):
+        out, (k, v) = CausalPrefill(self.key_valid, collect_kv=True)(q, k, v)
+        observed = jnp.take_along_axis(q, self.slots[:, :, None, None], axis=1)  # [B, W, H, hd]
+        return out, (k, v, observed)
+
+
+def observed_slots(mask: jnp.ndarray, observe: int) -> jnp.ndarray:
+    """Slots `[B, observe]` of each row's last `observe` real tokens (rows' real tokens come first)."""
+    if observe < 1:
+        raise ValueError(f"observe must be >= 1, got {observe}")
+    lengths = mask.sum(axis=1).astype(jnp.int32)  # [B]
+    return jnp.maximum(lengths[:, None] - observe + jnp.arange(observe, dtype=jnp.int32)[None], 0)
+
+
+def observed_weights(q_observed: jnp.ndarray, k: jnp.ndarray, before: jnp.ndarray) -> jnp.ndarray:
+    """Softmax weight the observed queries put on each key of one layer, summed: `[B, K, S]`.
+
+    q_observed `[B, W, H, hd]`, k `[B, S, K, hd]` post-RoPE, before `[B, S]`: the keys scored (the
+    prompt before the observed tokens); each query's softmax runs over those keys.
+    """
+    b, w, h, hd = q_observed.shape
+    kv_heads = k.shape[2]
+    qg = q_observed.reshape(b, w, kv_heads, h // kv_heads, hd)
+    scores = jnp.einsum("bwkgd,bskd->bkgws", qg, k, preferred_element_type=jnp.float32) * hd**-0.5
+    scores = jnp.where(before[:, None, None, None], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1, where=before[:, None, None, None])
+    return jnp.where(before[:, None, None, None], weights, 0.0).sum(axis=(2, 3))
+
+
+def observed_exact_mask(
+    q_observed: jnp.ndarray, k: jnp.ndarray, start: jnp.ndarray, keep: int, pool: int = POOL
+) -> jnp.ndarray:
+    """Which prompt tokens of one layer stay exact: `[B, S, K]` bool, `keep` per row and kv head among
+    the slots before `start [B]` (the first observed slot), those the observed queries weight most."""
+    slots = k.shape[1]
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    before = jnp.arange(slots)[None] < start[:, None]  # [B, S]
+    weights = observed_weights(q_observed, k, before)  # [B, K, S]
+    pooled = jax.lax.reduce_window(weights, -jnp.inf, jax.lax.max, (1, 1, pool), (1, 1, 1), "SAME")
+    pooled = jnp.where(before[:, None], pooled, -jnp.inf)
+    _, chosen = jax.lax.top_k(pooled, min(keep, slots))  # [B, K, keep]
+    mask = jnp.zeros(pooled.shape, bool)
+    mask = jax.vmap(jax.vmap(lambda row, idx: row.at[idx].set(True)))(mask, chosen)
+    return (mask & before[:, None]).transpose(0, 2, 1)
