@@ -44,15 +44,20 @@ class DenseKV:
 @dataclass(frozen=True, eq=False)
 class PQKV:
     """Product-quantized keys and values with lookup-table decode attention (MILLION): `codebooks` from
-    `jaxlongctx.calibrate` or `jaxlongctx.load_codebooks`; the last `window` tokens stay exact (R);
-    `keep_prompt_tail_exact` keeps the prompt's last tokens in that window instead of coding them all;
-    `backend` picks the decode-attention kernel ("auto", "xla", "pallas", "interpret")."""
+    `jaxlongctx.calibrate` or `jaxlongctx.load_codebooks` (attention-weighted ones encode with their
+    channel weights); the last `window` tokens stay exact (R); `keep_prompt_tail_exact` keeps the
+    prompt's last tokens in that window instead of coding them all; `sinks`: the prompt's first tokens
+    stay exact; `observed`: per layer and kv head, that many prompt tokens which the prompt's last
+    tokens attend to most stay exact (`jaxlongctx.kvcache.observed_tokens`); `backend` picks the
+    decode-attention kernel ("auto", "xla", "pallas", "interpret")."""
 
     kind: ClassVar[str] = "pq"
     codebooks: Codebooks
     window: int = DEFAULT_WINDOW
     keep_prompt_tail_exact: bool = False
     backend: str = "auto"
+    sinks: int = 0
+    observed: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.codebooks, Codebooks):
@@ -63,10 +68,20 @@ class PQKV:
         check_cache_bits(self.codebooks.bits)
         object.__setattr__(self, "window", check_positive_int(self.window, "PQKV window"))
         object.__setattr__(self, "keep_prompt_tail_exact", bool(self.keep_prompt_tail_exact))
+        for name in ("sinks", "observed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"PQKV {name} must be an int >= 0, got {value!r}")
+
+    @property
+    def pinned_slots(self) -> int:
+        """Window slots that hold pinned prompt tokens (sinks and observed), beside the R recent ones."""
+        return self.sinks + self.observed
 
     def bytes_report(self, config: ModelConfig, tokens: int, batch: int = 1) -> dict[str, Any]:
         """Bytes of this cache for `tokens` tokens per row (codes, exact window, codebooks), beside dense bf16."""
-        return {"kv_cache": self.kind, **pq_cache_report(config, self.codebooks, tokens, self.window, batch)}
+        exact = self.window + self.pinned_slots
+        return {"kv_cache": self.kind, **pq_cache_report(config, self.codebooks, tokens, exact, batch)}
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,16 @@ def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the prompt's last tokens in the exact window instead of coding them all",
     )
     parser.add_argument(
+        "--pq-sinks", type=int, default=0, help="the prompt's first tokens kept exact in the PQ cache"
+    )
+    parser.add_argument(
+        "--pq-observed",
+        type=int,
+        default=0,
+        help="prompt tokens per layer and kv head kept exact in the PQ cache: those the prompt's last "
+        "tokens attend to most (for questions about a long prompt)",
+    )
+    parser.add_argument(
         "--stats", action="store_true", help="print the KV cache bytes (vs dense bf16) as JSON"
     )
 
@@ -128,4 +153,10 @@ def kv_cache_from_args(args: argparse.Namespace, model: Any) -> DenseKV | PQKV:
         return DenseKV()
     if args.pq_window < 1:
         raise ValueError(f"--pq-window must be >= 1, got {args.pq_window}")
-    return PQKV(load_codebooks_for(model, args.codebooks), args.pq_window, args.keep_prompt_tail_exact)
+    return PQKV(
+        load_codebooks_for(model, args.codebooks),
+        args.pq_window,
+        args.keep_prompt_tail_exact,
+        sinks=args.pq_sinks,
+        observed=args.pq_observed,
+    )

@@ -82,8 +82,9 @@ def _observing_prefill(model: Model, observe: int) -> Callable:
 
 @partial(jax.jit, static_argnames="keep")
 def _observed_exact(q_observed: jnp.ndarray, k: jnp.ndarray, start: jnp.ndarray, keep: int) -> jnp.ndarray:
-    """`observed_exact_mask` of every layer: `[L, B, S, K]`."""
-    return jax.lax.map(lambda x: observed_exact_mask(x[0], x[1], start, keep), (q_observed, k))
+    """`observed_exact_mask` of every layer over the slots before `start [B]`: `[L, B, S, K]`."""
+    candidates = jnp.arange(k.shape[2])[None] < start[:, None]
+    return jax.lax.map(lambda x: observed_exact_mask(x[0], x[1], candidates, keep), (q_observed, k))
 
 
 @lru_cache(maxsize=32)

@@ -1,8 +1,9 @@
 """Generation over the PQ KV cache (MILLION): full-precision prefill, then lookup-table decode attention.
 
 Prefill attends in full precision over the prompt, then encodes the prompt's K/V into a
-preallocated `PQCache`. Each decode step flushes full windows (one batch), writes the new
-token's exact K/V into the window and attends through `pallas_kernels.pq_decode_attention`.
+preallocated `PQCache` (pinned prompt tokens, if asked for, stay exact in its window). Each decode
+step flushes full recent windows (one batch), writes the new token's exact K/V into the window and
+attends through `pallas_kernels.pq_decode_attention`.
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ from jax.sharding import PartitionSpec as P
 from jaxlongctx.cache_choice import PQKV
 from jaxlongctx.decode_loop import Request, bucket_length, choose_next, last_real_index
 from jaxlongctx.kvcache.model_codebooks import check_codebooks
+from jaxlongctx.kvcache.observed_tokens import (
+    OBSERVE,
+    ObservingPrefill,
+    observed_slots,
+    pinned_prompt_tokens,
+)
 from jaxlongctx.kvcache.pq_cache import PQCache, flush_full_rows
 from jaxlongctx.model import llama
 from jaxlongctx.model.attention_strategies import PQDecode
 from jaxlongctx.model.layers import DecoderLayer, Dense
-from jaxlongctx.model.llama import Llama, forward_hidden
+from jaxlongctx.model.llama import Llama, forward_hidden, forward_with
 from jaxlongctx.model.model import Model
 from jaxlongctx.sampling import SamplingParams
-from jaxlongctx.sharding import LOGICAL_AXES, per_kv_shard, put, put_batch
+from jaxlongctx.sharding import LOGICAL_AXES, mesh_of_arrays, per_kv_shard, put, put_batch
 
 
 def pq_prefill(
@@ -40,12 +47,34 @@ def pq_prefill(
     keep_tail_exact: bool,
     ids: jnp.ndarray,
     mask: jnp.ndarray,
+    sinks: int = 0,
+    observed: int = 0,
+    k_weights: jnp.ndarray | None = None,
+    v_weights: jnp.ndarray | None = None,
 ) -> tuple[jnp.ndarray, PQCache]:
-    """Full-precision forward over ids/mask `[B, T]`; returns last-token logits `[B, V]` and the encoded cache."""
-    h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)  # k/v: L B T K D
+    """Full-precision forward over ids/mask `[B, T]`; returns last-token logits `[B, V]` and the encoded
+    cache, its first `sinks` and `observed` attended-to prompt tokens per layer and kv head exact."""
+    if observed:  # the last OBSERVE prompt tokens' queries choose the observed tokens
+        attend = ObservingPrefill(mask, observed_slots(mask, OBSERVE))
+        h, (k, v, q_observed) = forward_with(module, ids, mask, attend)  # k/v: L B T K D
+        pinned = pinned_prompt_tokens(mask, sinks, observed, q_observed, k)
+    else:
+        h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)
+        pinned = pinned_prompt_tokens(mask, sinks) if sinks else None
     logits = module.head(jnp.take_along_axis(h, last_real_index(mask)[:, None, None], axis=1))[:, 0]
-    encode = partial(PQCache.from_prefill, capacity=capacity, window=window, keep_tail_exact=keep_tail_exact)
-    return logits, per_kv_shard(encode, _cache_specs(mask), k, v, mask, k_cent, v_cent)
+    encode = partial(
+        PQCache.from_prefill,
+        capacity=capacity,
+        window=window,
+        keep_tail_exact=keep_tail_exact,
+        pinned_slots=sinks + observed,
+    )
+    args = (k, v, mask, k_cent, v_cent)
+    if pinned is None and k_weights is None:
+        return logits, per_kv_shard(encode, _cache_specs(mask), *args)
+    if mesh_of_arrays(k) is not None:
+        raise ValueError("pinned prompt tokens and encode weights are not supported on a mesh yet")
+    return logits, encode(*args, pinned_mask=pinned, k_weights=k_weights, v_weights=v_weights)
 
 
 def _cache_specs(rows: jnp.ndarray) -> PQCache:
@@ -73,9 +102,15 @@ def pq_decode_hidden(
     positions: jnp.ndarray,
     cache: PQCache,
     backend: str = "auto",
+    recent: int | None = None,
+    k_weights: jnp.ndarray | None = None,
+    v_weights: jnp.ndarray | None = None,
 ) -> tuple[jnp.ndarray, PQCache]:
-    """One decode step: ids/positions `[B, 1]`, stacked centroids `[L, (K,) M, C, ds]` -> hidden `[B, 1, D]`, cache."""
-    cache = per_kv_shard(flush_full_rows, _cache_specs(cache.lengths), cache, k_cent, v_cent)
+    """One decode step: ids/positions `[B, 1]`, stacked centroids `[L, (K,) M, C, ds]` (and encode
+    weights `[L, (K,) D]`, if any) -> hidden `[B, 1, D]`, cache. `recent`: R, the window's recent slots
+    (default all of them: a cache without pinned tokens)."""
+    flush = partial(flush_full_rows, recent=recent)
+    cache = per_kv_shard(flush, _cache_specs(cache.lengths), cache, k_cent, v_cent, k_weights, v_weights)
     cos, sin = module.rope(positions)
     at = cache.window_lengths  # window slot of the new token, per row
 
@@ -96,19 +131,23 @@ def _decode_step(
     stop: tuple[int, ...],
     pad_id: int,
     backend: str,
+    recent: int,
     params,
-    k_cent,
-    v_cent,
+    codebooks,
     cache: PQCache,
     logits,
     key,
     done,
     positions,
 ):
-    """Choose the next token from `logits`, then run it through the model over the PQ cache."""
+    """Choose the next token from `logits`, then run it through the model over the PQ cache;
+    `codebooks`: the stacked centroids and encode weights (k_cent, v_cent, k_weights, v_weights)."""
     tok, done = choose_next(sampler, stop, pad_id, logits, key, done)
     module = model.merge(params)
-    h, cache = pq_decode_hidden(module, k_cent, v_cent, tok[:, None], positions[:, None], cache, backend)
+    k_cent, v_cent, k_w, v_w = codebooks
+    h, cache = pq_decode_hidden(
+        module, k_cent, v_cent, tok[:, None], positions[:, None], cache, backend, recent, k_w, v_w
+    )
     return tok, done, module.head(h)[:, 0], cache
 
 
@@ -125,31 +164,31 @@ def generate_pq(
 ) -> np.ndarray:
     """`jaxlongctx.generate` over a PQ-compressed KV cache; same arguments and result (ids `[B, T + new]`)."""
     check_codebooks(model, cache.codebooks)
-    if cache.codebooks.weighted:
-        raise ValueError(
-            "these codebooks weight channels (calibrated with --weighting attention); the PQ cache "
-            "does not apply encode weights yet, so generate with codebooks calibrated without weighting"
-        )
     req = Request.parse(model, ids, params, attention_mask)
     model.check_length(req.ids.shape[1] + req.max_new_tokens)
+    if cache.observed and int(req.mask.sum(axis=1).min()) <= OBSERVE:
+        raise ValueError(f"PQKV observed needs prompts of more than {OBSERVE} tokens (the observing ones)")
     ids_p, mask_p = req.padded_prompt()
     capacity = bucket_length(ids_p.shape[1] + req.max_new_tokens + cache.window)  # a flush writes R slots
-    prefill, step = _compiled(
-        model, capacity, cache.window, cache.keep_prompt_tail_exact, *req.static_key, cache.backend
-    )
+    exact = (cache.window, cache.keep_prompt_tail_exact, cache.sinks, cache.observed)
+    prefill, step = _compiled(model, capacity, exact, *req.static_key, cache.backend)
     k_cent, v_cent = place_codebooks(*cache.codebooks.stacked(), model.mesh)
+    k_w, v_w = cache.codebooks.stacked_weights()  # None unless attention-weighted
+    if k_w is not None and model.mesh is not None:
+        raise ValueError("attention-weighted codebooks are not supported on a mesh yet")
+    codebooks = (k_cent, v_cent, k_w, v_w)
 
     weights = model.params  # gathered once: the parameter tree costs milliseconds to build per step
     t0 = time.perf_counter()
     logits, pq_cache = jax.block_until_ready(
-        prefill(weights, k_cent, v_cent, put_batch(ids_p, model.mesh), put_batch(mask_p, model.mesh))
+        prefill(weights, codebooks, put_batch(ids_p, model.mesh), put_batch(mask_p, model.mesh))
     )
     if timings is not None:
         timings["prefill_s"] = time.perf_counter() - t0
     positions = jnp.asarray(req.mask.sum(axis=1), jnp.int32)
 
     def run(pq_cache, logits, key, done, i):
-        return step(weights, k_cent, v_cent, pq_cache, logits, key, done, positions + i)
+        return step(weights, codebooks, pq_cache, logits, key, done, positions + i)
 
     return req.decode(
         logits, pq_cache, run, progress=progress, desc="decode (pq)", timings=timings, stream=stream
@@ -159,23 +198,26 @@ def generate_pq(
 def _compiled(
     model: Model,
     capacity: int,
-    window: int,
-    keep_tail: bool,
+    exact: tuple[int, bool, int, int],
     sampler: tuple,
     stop: tuple,
     pad_id: int,
     backend: str,
 ):
-    """Jitted PQ prefill and decode step for these static settings (cached on the model)."""
+    """Jitted PQ prefill and decode step for these static settings (cached on the model); `exact`: the
+    window R, keep_prompt_tail_exact, sinks and observed of the `PQKV`."""
     fns = model.__dict__.setdefault("_pq_generate_fns", {})
-    key = (capacity, window, keep_tail, sampler, stop, pad_id, backend, llama.IN_PLACE_DECODE)
+    key = (capacity, exact, sampler, stop, pad_id, backend, llama.IN_PLACE_DECODE)
+    window, keep_tail, sinks, observed = exact
     if key not in fns:
 
-        def prefill(params, k_cent, v_cent, ids, mask):
-            return pq_prefill(model.merge(params), k_cent, v_cent, capacity, window, keep_tail, ids, mask)
+        def prefill(params, codebooks, ids, mask):
+            k_cent, v_cent, k_w, v_w = codebooks
+            module = model.merge(params)
+            return pq_prefill(
+                module, k_cent, v_cent, capacity, window, keep_tail, ids, mask, sinks, observed, k_w, v_w
+            )
 
-        fns[key] = (
-            jax.jit(prefill),
-            jax.jit(partial(_decode_step, model, sampler, stop, pad_id, backend), donate_argnums=(3,)),
-        )
+        step = partial(_decode_step, model, sampler, stop, pad_id, backend, window)
+        fns[key] = (jax.jit(prefill), jax.jit(step, donate_argnums=(2,)))
     return fns[key]

@@ -175,13 +175,18 @@ def test_generate_with_armt_and_pq_options(hf_family_dir, tmp_path, capsys):
                 "pq",
                 "--codebooks",
                 str(BASE_CODEBOOKS),
+                "--pq-sinks",
+                "2",
                 "--stats",
             ]
         )
         == 0
     )
     stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
-    assert stats
+    assert stats["window"] == 128 + 2  # the recent window and the two sinks, exact
+    argv = ["generate", "--ckpt", str(BASE_MODEL), "--ids", "5 6", "--kv-cache", "pq"]
+    assert main([*argv, "--codebooks", str(BASE_CODEBOOKS), "--pq-observed", "-1"]) == 2
+    assert "observed must be an int >= 0" in capsys.readouterr().err
     assert main(["generate", "--ckpt", str(src), "--ids", "5", "--kv-cache", "pq"]) == 2
     assert "--codebooks is needed" in capsys.readouterr().err
 

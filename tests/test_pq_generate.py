@@ -56,6 +56,24 @@ def _fake_quantize_dense(x, cent):
     return decode_layers(encode_layers(xt, cent), cent).transpose(0, 1, 3, 2, 4).astype(x.dtype)
 
 
+def _reference_step(model, k_cent, v_cent):
+    """A dense decode step over exact k/v `[L, B, S, K, D]` whose `coded [L|1, B, S, K|1]` entries are
+    replaced by decode(encode(.)): what a PQ step should compute. Returns logits and the new k/v."""
+
+    @jax.jit
+    def step(p, ek, ev, valid, coded, tok, pos, slot):
+        ak = jnp.where(coded[..., None], _fake_quantize_dense(ek, k_cent), ek)
+        av = jnp.where(coded[..., None], _fake_quantize_dense(ev, v_cent), ev)
+        module = model.merge(p)
+        heads_major = lambda x: x.transpose(0, 1, 3, 2, 4)
+        h, nk, nv = decode_hidden(module, tok, pos, slot, heads_major(ak), heads_major(av), valid)
+        nk, nv = heads_major(nk), heads_major(nv)
+        at = (jnp.arange(ek.shape[2]) == slot)[None, None, :, None, None]
+        return module.head(h)[:, 0], jnp.where(at, nk, ek), jnp.where(at, nv, ev)
+
+    return step
+
+
 @pytest.mark.parametrize(
     "granularity,keep_tail", [("layer_head", True), pytest.param("shared", False, marks=pytest.mark.slow)]
 )
@@ -81,21 +99,11 @@ def test_pq_logits_equal_dense_decode_over_reconstructed_cache(model, granularit
         params, ids, mask
     )
     np.testing.assert_allclose(logits, model(ids, mask)[np.arange(2), -1], atol=1e-5)
-    s = t + steps
     pad = ((0, 0), (0, 0), (0, steps), (0, 0), (0, 0))
     ek, ev = jnp.pad(k, pad), jnp.pad(v, pad)
     valid = np.concatenate([mask, np.zeros((2, steps), bool)], axis=1)
 
-    @jax.jit
-    def ref_step(p, ek, ev, valid, coded, tok, pos, slot):
-        ak = jnp.where(coded[None, :, :, None, None], _fake_quantize_dense(ek, k_cent), ek)
-        av = jnp.where(coded[None, :, :, None, None], _fake_quantize_dense(ev, v_cent), ev)
-        module = model.merge(p)
-        heads_major = lambda x: x.transpose(0, 1, 3, 2, 4)
-        h, nk, nv = decode_hidden(module, tok, pos, slot, heads_major(ak), heads_major(av), valid)
-        nk, nv = heads_major(nk), heads_major(nv)
-        at = (jnp.arange(s) == slot)[None, None, :, None, None]
-        return module.head(h)[:, 0], jnp.where(at, nk, ek), jnp.where(at, nv, ev)
+    ref_step = _reference_step(model, k_cent, v_cent)
 
     positions = mask.sum(axis=1)
     for i in range(steps):
@@ -107,7 +115,14 @@ def test_pq_logits_equal_dense_decode_over_reconstructed_cache(model, granularit
         np.testing.assert_array_equal(lens + wl, total)
         coded = valid & (np.cumsum(valid, axis=1) <= lens[:, None])
         ref_logits, ek, ev = ref_step(
-            params, ek, ev, valid, coded, toks[:, i : i + 1], (positions + i)[:, None], t + i
+            params,
+            ek,
+            ev,
+            valid,
+            coded[None, :, :, None],
+            toks[:, i : i + 1],
+            (positions + i)[:, None],
+            t + i,
         )
         np.testing.assert_allclose(pq_logits, ref_logits, atol=1e-4, rtol=1e-4)
     # bookkeeping: flush when the window is full, so 1..R tokens stay exact
@@ -115,6 +130,84 @@ def test_pq_logits_equal_dense_decode_over_reconstructed_cache(model, granularit
     want_wl = (n - 1) % window + 1 if keep_tail else np.full(2, (steps - 1) % window + 1)
     np.testing.assert_array_equal(cache.window_lengths, want_wl)
     np.testing.assert_array_equal(cache.lengths, n - want_wl)
+
+
+@pytest.mark.parametrize("sinks, observed", [(2, 0), (1, 3)])
+def test_pinned_prompt_tokens_stay_exact_through_decoding(model, sinks, observed):
+    """Teacher-forced with pinned prompt tokens (sinks, and tokens the prompt's last ones attend to):
+    each PQ step equals a dense decode whose cache holds exact k/v for the pinned and window tokens and
+    decode(encode(k/v)) for the others, across window flushes; pinned tokens never leave the window."""
+    from jaxlongctx.kvcache.observed_tokens import (
+        OBSERVE,
+        ObservingPrefill,
+        observed_slots,
+        pinned_prompt_tokens,
+    )
+    from jaxlongctx.model.llama import forward_with
+
+    cb = kv_codebooks(model, "layer_head")
+    k_cent, v_cent = cb.stacked()
+    window, steps, t = 4, 9, OBSERVE + 8
+    rng = np.random.default_rng(5)
+    ids = rng.integers(3, 97, (2, t)).astype(np.int32)
+    mask = np.ones((2, t), bool)
+    mask[1, :3] = False  # row 1 left padded
+    toks = rng.integers(3, 97, (2, steps)).astype(np.int32)
+    params = model.params
+    prefill = jax.jit(
+        lambda p, i, m: pq_prefill(model.merge(p), k_cent, v_cent, 64, window, False, i, m, sinks, observed)
+    )
+    pq_step = jax.jit(
+        lambda p, c, tok, pos: pq_decode_hidden(model.merge(p), k_cent, v_cent, tok, pos, c, recent=window)
+    )
+    _, cache = prefill(params, ids, mask)
+    np.testing.assert_array_equal(cache.pinned, sinks + observed)
+    assert cache.window == window + sinks + observed
+
+    attend = ObservingPrefill(jnp.asarray(mask), observed_slots(jnp.asarray(mask), OBSERVE))
+    _h, (k, v, q_obs) = forward_with(model.module, jnp.asarray(ids), jnp.asarray(mask), attend)
+    if observed:
+        pinned = pinned_prompt_tokens(jnp.asarray(mask), sinks, observed, q_obs, k)
+    else:
+        pinned = pinned_prompt_tokens(jnp.asarray(mask), sinks)
+    pinned = np.broadcast_to(np.asarray(pinned), (CFG.num_layers, 2, t, CFG.num_kv_heads))
+    np.testing.assert_array_equal(pinned.sum(axis=2), sinks + observed)
+    pad = ((0, 0), (0, 0), (0, steps), (0, 0), (0, 0))
+    ek, ev = jnp.pad(k, pad), jnp.pad(v, pad)
+    pinned = np.pad(pinned, ((0, 0), (0, 0), (0, steps), (0, 0)))  # [L, B, S, K]
+    valid = np.concatenate([mask, np.zeros((2, steps), bool)], axis=1)
+
+    ref_step = _reference_step(model, k_cent, v_cent)
+
+    positions = mask.sum(axis=1)
+    for i in range(steps):
+        h_pq, cache = pq_step(params, cache, toks[:, i : i + 1], (positions + i)[:, None])
+        valid[:, t + i] = True
+        lens = np.asarray(cache.lengths)
+        np.testing.assert_array_equal(lens + np.asarray(cache.window_lengths), valid.sum(axis=1))
+        codable = valid[None, :, :, None] & ~pinned  # the coded tokens: the first `lens` of these
+        coded = codable & (np.cumsum(codable, axis=2) <= lens[None, :, None, None])
+        ref_logits, ek, ev = ref_step(
+            params, ek, ev, valid, coded, toks[:, i : i + 1], (positions + i)[:, None], t + i
+        )
+        np.testing.assert_allclose(model.module.head(h_pq)[:, 0], ref_logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(cache.window_lengths, sinks + observed + (steps - 1) % window + 1)
+
+
+def test_generation_with_every_prompt_token_pinned_is_dense_greedy(model):
+    """Sinks covering the prompt and a window the new tokens never fill: nothing is coded, so PQ
+    generation gives the dense greedy tokens; a short prompt cannot be observed."""
+    cb = kv_codebooks(model, "layer")
+    ids = np.random.default_rng(6).integers(3, 97, (1, 12)).astype(np.int32)
+    params = SamplingParams(6, stop_ids=())
+    dense = jaxlongctx.generate(model, ids, params)
+    out = jaxlongctx.generate(model, ids, params, cache=PQKV(cb, window=8, sinks=12))
+    np.testing.assert_array_equal(out, dense)
+    assert not np.array_equal(jaxlongctx.generate(model, ids, params, cache=PQKV(cb, window=1)), dense)
+    with pytest.raises(ValueError, match="observed needs prompts of more than"):
+        jaxlongctx.generate(model, ids, params, cache=PQKV(cb, observed=4))
+    with pytest.raises(ValueError, match="sinks must be an int"):
+        PQKV(cb, sinks=-1)
 
 
 def test_greedy_pq_generation_300_steps_across_flushes(model):

@@ -19,6 +19,7 @@ from jaxlongctx.kvcache.codebooks import load_codebooks, save_codebooks, train_c
 from jaxlongctx.kvcache.exact_window import keep_sinks_exact, recent_exact_attention
 from jaxlongctx.kvcache.pq_codec import encode
 from jaxlongctx.model.attention import causal_prefill_attention
+from jaxlongctx.model.llama import forward_hidden
 from jaxlongctx.sampling import SamplingParams
 
 
@@ -170,10 +171,32 @@ def test_weighted_codebooks_quantize_through_kv_transform(weighted_codebooks):
     np.testing.assert_allclose(kq, decode(codes, cb.key_centroids[2]).transpose(0, 2, 1, 3), atol=1e-6)
 
 
-def test_pq_generation_refuses_weighted_codebooks(smollm2_fp32, weighted_codebooks):
-    ids = np.asarray([[1, 2, 3]])
-    with pytest.raises(ValueError, match="weight channels"):
-        generate(smollm2_fp32, ids, SamplingParams(2), cache=PQKV(weighted_codebooks))
+def test_pq_generation_encodes_with_the_codebooks_weights(smollm2_fp32, weighted_codebooks):
+    """Attention-weighted codebooks: the PQ cache's codes are the weighted nearest centroids (not the
+    plain ones), at prefill and at window flushes; generation runs on them."""
+    from jaxlongctx.kvcache.pq_cache import encode_layers
+    from jaxlongctx.pq_generate import pq_decode_hidden, pq_prefill
+
+    model = smollm2_fp32
+    k_cent, v_cent = weighted_codebooks.stacked()
+    k_w, v_w = weighted_codebooks.stacked_weights()
+    ids = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    mask = jnp.ones(ids.shape, bool)
+    _, cache = pq_prefill(model.module, k_cent, v_cent, 16, 2, False, ids, mask, k_weights=k_w, v_weights=v_w)
+    _h, (k, _v) = forward_hidden(model.module, ids, mask, collect_kv=True)
+    k = k.transpose(0, 1, 3, 2, 4)  # [L, B, K, T, D]
+    np.testing.assert_array_equal(cache.k_codes[:, :, :, :9], encode_layers(k, k_cent, k_w))
+    assert not np.array_equal(cache.k_codes[:, :, :, :9], encode_layers(k, k_cent))
+    step = lambda c, i: pq_decode_hidden(
+        model.module, k_cent, v_cent, ids[:, i : i + 1], jnp.asarray([[9 + i]]), c, "auto", None, k_w, v_w
+    )[1]
+    cache = step(step(cache, 0), 1)  # the window's 2 slots full
+    window_k = cache.k_window
+    cache = step(cache, 2)  # flushes them first
+    np.testing.assert_array_equal(cache.lengths, 11)
+    np.testing.assert_array_equal(cache.k_codes[:, :, :, 9:11], encode_layers(window_k, k_cent, k_w))
+    out = generate(model, np.asarray(ids), SamplingParams(2), cache=PQKV(weighted_codebooks))
+    assert out.shape == (1, 11)
 
 
 def _tiny_retrieval_case(observe):
@@ -233,22 +256,22 @@ def test_observed_exact_mask_keeps_the_most_attended_keys():
     head, never at or after the first observed slot."""
     from jaxlongctx.kvcache.observed_tokens import observed_exact_mask, observed_slots
 
-    np.testing.assert_array_equal(
-        observed_slots(jnp.asarray([[1] * 6 + [0] * 2, [1] * 8]), 3), [[3, 4, 5], [5, 6, 7]]
-    )
+    rows = jnp.asarray([[1] * 6 + [0] * 2, [1] * 8, [0, 1, 1, 0, 1, 1, 0, 0]], bool)
+    np.testing.assert_array_equal(observed_slots(rows, 3), [[3, 4, 5], [5, 6, 7], [2, 4, 5]])
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.standard_normal((2, 50, 2, 8)) * 0.1, jnp.float32)  # [B, S, K, hd]
     target = jnp.zeros(8).at[0].set(1.0)
     k = k.at[0, 17, 1].set(target * 10).at[1, 3, 0].set(target * 10)  # row 0 head 1 at 17, row 1 head 0 at 3
     q = jnp.broadcast_to(target * 10, (2, 4, 4, 8))  # [B, W, H, hd]: every head looks for `target`
     start = jnp.asarray([40, 45])
-    mask = observed_exact_mask(q, k, start, keep=5, pool=3)  # [B, S, K]
+    candidates = jnp.arange(50)[None] < start[:, None]
+    mask = observed_exact_mask(q, k, candidates, keep=5, pool=3)  # [B, S, K]
     assert mask.shape == (2, 50, 2)
     np.testing.assert_array_equal(mask.sum(axis=1), 5)
     assert bool(mask[0, 17, 1]) and bool(mask[0, 16, 1]) and bool(mask[0, 18, 1])  # pooled neighbours
     assert bool(mask[1, 3, 0]) and not mask[0, 40:].any() and not mask[1, 45:].any()
     with pytest.raises(ValueError, match="keep must be"):
-        observed_exact_mask(q, k, start, keep=0)
+        observed_exact_mask(q, k, candidates, keep=0)
 
 
 def test_observed_exact_prompt_tokens_bypass_the_transform():

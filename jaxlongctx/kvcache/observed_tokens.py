@@ -38,42 +38,74 @@ class ObservingPrefill:
         return out, (k, v, observed)
 
 
+def real_positions(mask: jnp.ndarray) -> jnp.ndarray:
+    """Each slot's index among its row's real tokens `[B, S]` (pads anywhere; a pad gets the next one's)."""
+    return jnp.cumsum(mask, axis=1, dtype=jnp.int32) - mask.astype(jnp.int32)
+
+
 def observed_slots(mask: jnp.ndarray, observe: int) -> jnp.ndarray:
-    """Slots `[B, observe]` of each row's last `observe` real tokens (rows' real tokens come first)."""
+    """Slots `[B, observe]` of each row's last `observe` real tokens (pads anywhere in `mask [B, S]`)."""
     if observe < 1:
         raise ValueError(f"observe must be >= 1, got {observe}")
+    real_first = jnp.argsort(~mask, axis=1, stable=True)  # [B, S] real slots in order, then pads
     lengths = mask.sum(axis=1).astype(jnp.int32)  # [B]
-    return jnp.maximum(lengths[:, None] - observe + jnp.arange(observe, dtype=jnp.int32)[None], 0)
+    nth = jnp.maximum(lengths[:, None] - observe + jnp.arange(observe, dtype=jnp.int32)[None], 0)
+    return jnp.take_along_axis(real_first, nth, axis=1)
 
 
-def observed_weights(q_observed: jnp.ndarray, k: jnp.ndarray, before: jnp.ndarray) -> jnp.ndarray:
-    """Softmax weight the observed queries put on each key of one layer, summed: `[B, K, S]`.
+def observed_weights(q_observed: jnp.ndarray, k: jnp.ndarray, candidates: jnp.ndarray) -> jnp.ndarray:
+    """Softmax weight the observed queries put on each candidate key of one layer, summed: `[B, K, S]`.
 
-    q_observed `[B, W, H, hd]`, k `[B, S, K, hd]` post-RoPE, before `[B, S]`: the keys scored (the
+    q_observed `[B, W, H, hd]`, k `[B, S, K, hd]` post-RoPE, candidates `[B, S]`: the keys scored (the
     prompt before the observed tokens); each query's softmax runs over those keys.
     """
     b, w, h, hd = q_observed.shape
     kv_heads = k.shape[2]
     qg = q_observed.reshape(b, w, kv_heads, h // kv_heads, hd)
     scores = jnp.einsum("bwkgd,bskd->bkgws", qg, k, preferred_element_type=jnp.float32) * hd**-0.5
-    scores = jnp.where(before[:, None, None, None], scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1, where=before[:, None, None, None])
-    return jnp.where(before[:, None, None, None], weights, 0.0).sum(axis=(2, 3))
+    seen = candidates[:, None, None, None]
+    weights = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1, where=seen)
+    return jnp.where(seen, weights, 0.0).sum(axis=(2, 3))
 
 
 def observed_exact_mask(
-    q_observed: jnp.ndarray, k: jnp.ndarray, start: jnp.ndarray, keep: int, pool: int = POOL
+    q_observed: jnp.ndarray, k: jnp.ndarray, candidates: jnp.ndarray, keep: int, pool: int = POOL
 ) -> jnp.ndarray:
     """Which prompt tokens of one layer stay exact: `[B, S, K]` bool, `keep` per row and kv head among
-    the slots before `start [B]` (the first observed slot), those the observed queries weight most."""
+    the `candidates [B, S]` (fewer where a row has fewer), those the observed queries weight most."""
     slots = k.shape[1]
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    before = jnp.arange(slots)[None] < start[:, None]  # [B, S]
-    weights = observed_weights(q_observed, k, before)  # [B, K, S]
+    weights = observed_weights(q_observed, k, candidates)  # [B, K, S]
     pooled = jax.lax.reduce_window(weights, -jnp.inf, jax.lax.max, (1, 1, pool), (1, 1, 1), "SAME")
-    pooled = jnp.where(before[:, None], pooled, -jnp.inf)
+    pooled = jnp.where(candidates[:, None], pooled, -jnp.inf)
     _, chosen = jax.lax.top_k(pooled, min(keep, slots))  # [B, K, keep]
     mask = jnp.zeros(pooled.shape, bool)
     mask = jax.vmap(jax.vmap(lambda row, idx: row.at[idx].set(True)))(mask, chosen)
-    return (mask & before[:, None]).transpose(0, 2, 1)
+    return (mask & candidates[:, None]).transpose(0, 2, 1)
+
+
+def pinned_prompt_tokens(
+    mask: jnp.ndarray,
+    sinks: int,
+    keep: int = 0,
+    q_observed: jnp.ndarray | None = None,
+    k: jnp.ndarray | None = None,
+) -> jnp.ndarray:
+    """Prompt tokens a quantized cache keeps exact for good: `[L, B, S, K]` bool (L = 1 without `keep`).
+
+    The first `sinks` real tokens of each row (attention sinks) and, with `keep`, the `keep` tokens per
+    layer and kv head that the observed queries `q_observed [L, B, W, H, hd]` (the row's last W tokens,
+    `ObservingPrefill`) weight most among the others before them, over keys `k [L, B, S, K, hd]`.
+    """
+    position = real_positions(mask)  # [B, S]
+    sink = mask & (position < sinks)
+    if not keep:
+        return jnp.broadcast_to(sink[None, :, :, None], (1, *sink.shape, 1))
+    if q_observed is None or k is None:
+        raise ValueError("pinned_prompt_tokens: keep needs the observed queries and the keys")
+    observe = q_observed.shape[2]
+    lengths = mask.sum(axis=1, keepdims=True)
+    candidates = mask & (position >= sinks) & (position < lengths - observe)
+    chosen = jax.lax.map(lambda x: observed_exact_mask(x[0], x[1], candidates, keep), (q_observed, k))
+    return chosen | sink[None, :, :, None]

@@ -3,10 +3,13 @@
 Codes are a byte each, or two a byte for 4-bit codes (at most 16 centroids, `pallas_kernels.pq_codes`).
 
 Per batch row b, the coded tokens are slots [0, lengths[b]) of the code buffers and the exact
-(full-precision) recent tokens are slots [0, window_lengths[b]) of the window. New tokens go to
-the window; a row whose window is full (R tokens) is encoded in one batch and appended to its
-codes before the next token arrives, so after every step 1..R recent tokens are exact.
-Token order inside the buffers is the order of the real (unpadded) tokens of each row.
+(full-precision) tokens are slots [0, window_lengths[b]) of the window. The window's first
+pinned[b] slots hold prompt tokens kept exact for good (attention sinks, tokens the question
+attends to: `jaxlongctx.kvcache.observed_tokens`); after them come the recent tokens. New tokens go
+to the window; a row whose recent part is full (R tokens) has it encoded in one batch and appended
+to its codes before the next token arrives, so after every step 1..R recent tokens are exact.
+Attention does not depend on the order of cached tokens (keys carry their RoPE), so pinned tokens
+leave the code buffers and the codes keep the others in prompt order.
 """
 
 from __future__ import annotations
@@ -26,15 +29,16 @@ DEFAULT_WINDOW = 128  # R, the reference's full-precision recent window
 
 
 class PQCache(NamedTuple):
-    """Codes `[L, B, K, T, M]` uint8 (`[..., M/2]` packed 4-bit codes), exact window `[L, B, K, R, D]`,
-    valid counts per row `[B]` int32."""
+    """Codes `[L, B, K, T, M]` uint8 (`[..., M/2]` packed 4-bit codes), exact window `[L, B, K, P + R, D]`
+    (P pinned slots, R recent), valid counts per row `[B]` int32."""
 
     k_codes: jnp.ndarray
     v_codes: jnp.ndarray
     k_window: jnp.ndarray
     v_window: jnp.ndarray
     lengths: jnp.ndarray  # coded tokens per row
-    window_lengths: jnp.ndarray  # exact tokens per row, in [0, R]
+    window_lengths: jnp.ndarray  # exact tokens per row (pinned ones included), in [0, P + R]
+    pinned: jnp.ndarray | None = None  # pinned prompt tokens per row, in [0, P]; None: none
 
     @property
     def capacity(self) -> int:
@@ -43,18 +47,22 @@ class PQCache(NamedTuple):
 
     @property
     def window(self) -> int:
-        """R, the number of exact window slots per row."""
+        """P + R, the number of exact window slots per row (pinned and recent)."""
         return self.k_window.shape[3]
+
+    def pinned_counts(self) -> jnp.ndarray:
+        """Pinned prompt tokens per row `[B]` int32 (zeros for a cache without any)."""
+        return jnp.zeros_like(self.lengths) if self.pinned is None else self.pinned
 
     @classmethod
     def partition_specs(cls, batch: str | None, heads: str | None) -> PQCache:
         """`PartitionSpec`s of a cache whose rows are split over mesh axis `batch` and kv heads over `heads`."""
         buf, rows = P(None, batch, heads, None, None), P(batch)
-        return cls(buf, buf, buf, buf, rows, rows)
+        return cls(buf, buf, buf, buf, rows, rows, rows)
 
     def nbytes(self) -> int:
         """Bytes held by the cache buffers (codebooks not included)."""
-        return sum(int(x.size) * x.dtype.itemsize for x in self)
+        return sum(int(x.size) * x.dtype.itemsize for x in self if x is not None)
 
     @classmethod
     def from_prefill(
@@ -67,15 +75,23 @@ class PQCache(NamedTuple):
         capacity: int,
         window: int,
         keep_tail_exact: bool = False,
+        pinned_mask: jnp.ndarray | None = None,
+        pinned_slots: int = 0,
+        k_weights: jnp.ndarray | None = None,
+        v_weights: jnp.ndarray | None = None,
     ) -> PQCache:
         """Encode prompt keys/values `[L, B, T, K, D]` (mask `[B, T]`, pads anywhere) into a cache.
 
-        Centroids are stacked per layer (`Codebooks.stacked()`). By default every prompt token is
-        coded and the window starts empty (the reference). With `keep_tail_exact` the window holds
-        the last ((n - 1) mod R) + 1 prompt tokens of a row of n tokens exactly: the state a
-        token-by-token decode through this cache would have reached.
+        Centroids are stacked per layer (`Codebooks.stacked()`), and so are encode weights if the
+        codebooks have them (`Codebooks.stacked_weights()`). By default every prompt token is coded
+        and the window (R = `window` recent slots) starts empty (the reference). With
+        `keep_tail_exact` the window holds the last ((n - 1) mod R) + 1 prompt tokens of a row of n
+        tokens exactly: the state a token-by-token decode through this cache would have reached.
+        `pinned_mask [L or 1, B, T, K]` marks prompt tokens to keep exact for good instead of coding
+        them (`observed_tokens.pinned_prompt_tokens`): at most `pinned_slots` per row, layer and kv
+        head, the same count in every layer and kv head of a row; the window gets that many more slots.
         """
-        _, _, t, _, _ = k.shape
+        num_layers, _, t, _, _ = k.shape
         if capacity < t:
             raise ValueError(f"capacity {capacity} must hold the {t} prompt slots")
         lens = mask.sum(axis=1).astype(jnp.int32)  # [B]
@@ -86,19 +102,36 @@ class PQCache(NamedTuple):
         v = jnp.take_along_axis(v, order[None, :, :, None, None], axis=2).transpose(0, 1, 3, 2, 4)
         exact = jnp.where(lens > 0, (lens - 1) % window + 1, 0) if keep_tail_exact else jnp.zeros_like(lens)
         coded = lens - exact
+        if pinned_mask is not None:  # pinned tokens after the coded ones, before the exact tail
+            slot = jnp.arange(t)
+            codable = (slot[None] < coded[:, None])[None, :, None, :]  # [1 B 1 T]
+            pin = jnp.take_along_axis(pinned_mask, order[None, :, :, None], axis=2).transpose(0, 1, 3, 2)
+            pin = jnp.broadcast_to(pin, (num_layers, *pin.shape[1:])) & codable  # L B K T
+            rank = jnp.where(codable, pin.astype(jnp.int32), 2)
+            perm = jnp.argsort(rank, axis=3, stable=True)[..., None]
+            k, v = jnp.take_along_axis(k, perm, axis=3), jnp.take_along_axis(v, perm, axis=3)
+            pinned = pin[0, :, 0].sum(axis=-1).astype(jnp.int32)  # [B], the same in every layer and head
+            coded = coded - pinned
+        else:
+            pinned = jnp.zeros_like(lens)
         pad = ((0, 0), (0, 0), (0, 0), (0, capacity - t), (0, 0))
-        k_codes = jnp.pad(encode_layers(k, k_cent), pad)
-        v_codes = jnp.pad(encode_layers(v, v_cent), pad)
-        idx = jnp.minimum(coded[:, None] + jnp.arange(window), t - 1)[None, :, None, :, None]  # [1 B 1 R 1]
-        k_win = jnp.take_along_axis(k, idx, axis=3)  # L B K R D
+        k_codes = jnp.pad(encode_layers(k, k_cent, k_weights), pad)
+        v_codes = jnp.pad(encode_layers(v, v_cent, v_weights), pad)
+        size = pinned_slots + window
+        idx = jnp.minimum(coded[:, None] + jnp.arange(size), t - 1)[None, :, None, :, None]  # [1 B 1 P+R 1]
+        k_win = jnp.take_along_axis(k, idx, axis=3)  # L B K P+R D
         v_win = jnp.take_along_axis(v, idx, axis=3)
-        return cls(k_codes, v_codes, k_win, v_win, coded, exact)
+        return cls(k_codes, v_codes, k_win, v_win, coded, pinned + exact, pinned)
 
 
-def encode_layers(x: jnp.ndarray, cent: jnp.ndarray) -> jnp.ndarray:
-    """Encode x `[L, B, K, N, D]` with stacked centroids `[L, M, C, ds]` or `[L, K, M, C, ds]` -> the
-    cache's codes `[L, B, K, N, M]` (`[..., M/2]` when 4-bit codes are packed)."""
-    codes = jax.lax.map(lambda xc: encode(xc[0], xc[1]), (x, cent))
+def encode_layers(x: jnp.ndarray, cent: jnp.ndarray, weights: jnp.ndarray | None = None) -> jnp.ndarray:
+    """Encode x `[L, B, K, N, D]` with stacked centroids `[L, M, C, ds]` or `[L, K, M, C, ds]` (and
+    encode weights `[L, (K,) D]`, if any) -> the cache's codes `[L, B, K, N, M]` (`[..., M/2]` when
+    4-bit codes are packed)."""
+    if weights is None:
+        codes = jax.lax.map(lambda xc: encode(xc[0], xc[1]), (x, cent))
+    else:
+        codes = jax.lax.map(lambda xcw: encode(*xcw), (x, cent, weights))
     return pack_codes(codes) if packs(cent.shape[-2], cent.shape[-3]) else codes
 
 
@@ -109,27 +142,39 @@ def decode_layers(codes: jnp.ndarray, cent: jnp.ndarray) -> jnp.ndarray:
     return jax.lax.map(lambda cc: decode(cc[0], cc[1]), (codes, cent))
 
 
-def flush_full_rows(cache: PQCache, k_cent: jnp.ndarray, v_cent: jnp.ndarray) -> PQCache:
-    """Encode the windows of rows whose window is full (one batch, all layers) and append them to their codes.
+def flush_full_rows(
+    cache: PQCache,
+    k_cent: jnp.ndarray,
+    v_cent: jnp.ndarray,
+    k_weights: jnp.ndarray | None = None,
+    v_weights: jnp.ndarray | None = None,
+    *,
+    recent: int | None = None,
+) -> PQCache:
+    """Encode the recent tokens of rows whose `recent` (R, default the whole window) recent slots are
+    full (one batch, all layers) and append them to their codes; pinned slots stay.
 
-    Every row's window codes are written at its `lengths` offset (beyond a non-full row's valid
+    Every row's recent codes are written at its `lengths` offset (beyond a non-full row's valid
     codes, so harmless); only full rows advance. Needs `lengths + R <= capacity` for every row.
     """
-    full = cache.window_lengths >= cache.window  # [B]
+    recent = cache.window if recent is None else recent
+    pinned = cache.pinned_counts()
+    full = cache.window_lengths >= pinned + recent  # [B]
     put = jax.vmap(
         lambda buf, new, off: jax.lax.dynamic_update_slice(buf, new, (0, 0, off, 0)),
         in_axes=(1, 1, 0),
         out_axes=1,
     )  # per-row offset along T of [L, B, K, T, M]
+    idx = (pinned[:, None] + jnp.arange(recent))[None, :, None, :, None]  # [1 B 1 R 1]: the recent slots
 
     def flush(c: PQCache) -> PQCache:
-        k_new = encode_layers(c.k_window, k_cent)  # L B K R M
-        v_new = encode_layers(c.v_window, v_cent)
+        k_new = encode_layers(jnp.take_along_axis(c.k_window, idx, axis=3), k_cent, k_weights)  # L B K R M
+        v_new = encode_layers(jnp.take_along_axis(c.v_window, idx, axis=3), v_cent, v_weights)
         return c._replace(
             k_codes=put(c.k_codes, k_new, c.lengths),
             v_codes=put(c.v_codes, v_new, c.lengths),
-            lengths=c.lengths + jnp.where(full, c.window, 0),
-            window_lengths=jnp.where(full, 0, c.window_lengths),
+            lengths=c.lengths + jnp.where(full, recent, 0),
+            window_lengths=jnp.where(full, pinned, c.window_lengths),
         )
 
     return jax.lax.cond(full.any(), flush, lambda c: c, cache)
