@@ -57,7 +57,9 @@ def pq_prefill(
     if observed:  # the last OBSERVE prompt tokens' queries choose the observed tokens
         attend = ObservingPrefill(mask, observed_slots(mask, OBSERVE))
         h, (k, v, q_observed) = forward_with(module, ids, mask, attend)  # k/v: L B T K D
-        pinned = pinned_prompt_tokens(mask, sinks, observed, q_observed, k)
+        lengths = mask.sum(axis=1).astype(jnp.int32)
+        tail = jnp.where(lengths > 0, (lengths - 1) % window + 1, 0) if keep_tail_exact else 0
+        pinned = pinned_prompt_tokens(mask, sinks, observed, q_observed, k, tail)
     else:
         h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)
         pinned = pinned_prompt_tokens(mask, sinks) if sinks else None

@@ -90,3 +90,30 @@ def test_retrieval_runs_without_dense_are_refused_by_name(results):
     (results / "pq_real_retrieval_t_shard0of1.json").write_text(json.dumps(only))
     with pytest.raises(SystemExit, match="without the dense cache"):
         pq_real_model.merge("pq_real_model_t")
+
+
+def test_generate_retrieval_summary_pairs_with_dense_and_the_harness():
+    from bench.pq_real_generate_retrieval import summary
+
+    items = [
+        {
+            "answer": "1234",
+            "answers": {"dense": "1234", "pq": "1234"},
+            "harness": {"dense": "1234", "pq": "1.\n"},
+        },
+        {
+            "answer": "5678",
+            "answers": {"dense": "5678", "pq": "5.\n"},
+            "harness": {"dense": None, "pq": "5.\n"},
+        },
+        {
+            "answer": "0000",
+            "answers": {"dense": "1.\n", "pq": "0000"},
+            "harness": {"dense": None, "pq": None},
+        },
+    ]
+    dense, pq = summary(items, ["dense", "pq"], {"dense": 16.0, "pq": 4.2})
+    assert (dense["right"], dense["harness_items"], dense["same_answer_as_harness"]) == (2, 1, 1)
+    assert (pq["right"], pq["right_where_dense_wrong"], pq["wrong_where_dense_right"]) == (2, 1, 1)
+    assert (pq["harness_items"], pq["harness_right"], pq["same_answer_as_harness"]) == (2, 0, 1)
+    assert pq["interval_95"][0] < 2 / 3 < pq["interval_95"][1]

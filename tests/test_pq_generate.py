@@ -132,8 +132,11 @@ def test_pq_logits_equal_dense_decode_over_reconstructed_cache(model, granularit
     np.testing.assert_array_equal(cache.lengths, n - want_wl)
 
 
-@pytest.mark.parametrize("sinks, observed", [(2, 0), (1, 3)])
-def test_pinned_prompt_tokens_stay_exact_through_decoding(model, sinks, observed):
+@pytest.mark.parametrize(
+    "sinks, observed, keep_tail, window, extra",
+    [(2, 0, False, 4, 8), (1, 3, True, 4, 8), (1, 3, True, 100, 148)],  # last: exact tails of 80 and 77
+)
+def test_pinned_prompt_tokens_stay_exact_through_decoding(model, sinks, observed, keep_tail, window, extra):
     """Teacher-forced with pinned prompt tokens (sinks, and tokens the prompt's last ones attend to):
     each PQ step equals a dense decode whose cache holds exact k/v for the pinned and window tokens and
     decode(encode(k/v)) for the others, across window flushes; pinned tokens never leave the window."""
@@ -147,7 +150,7 @@ def test_pinned_prompt_tokens_stay_exact_through_decoding(model, sinks, observed
 
     cb = kv_codebooks(model, "layer_head")
     k_cent, v_cent = cb.stacked()
-    window, steps, t = 4, 9, OBSERVE + 8
+    steps, t = 9, OBSERVE + extra
     rng = np.random.default_rng(5)
     ids = rng.integers(3, 97, (2, t)).astype(np.int32)
     mask = np.ones((2, t), bool)
@@ -155,19 +158,26 @@ def test_pinned_prompt_tokens_stay_exact_through_decoding(model, sinks, observed
     toks = rng.integers(3, 97, (2, steps)).astype(np.int32)
     params = model.params
     prefill = jax.jit(
-        lambda p, i, m: pq_prefill(model.merge(p), k_cent, v_cent, 64, window, False, i, m, sinks, observed)
+        lambda p, i, m: pq_prefill(
+            model.merge(p), k_cent, v_cent, 256, window, keep_tail, i, m, sinks, observed
+        )
     )
     pq_step = jax.jit(
         lambda p, c, tok, pos: pq_decode_hidden(model.merge(p), k_cent, v_cent, tok, pos, c, recent=window)
     )
     _, cache = prefill(params, ids, mask)
     np.testing.assert_array_equal(cache.pinned, sinks + observed)
+    if keep_tail:
+        np.testing.assert_array_equal(
+            cache.window_lengths, sinks + observed + (mask.sum(axis=1) - 1) % window + 1
+        )
     assert cache.window == window + sinks + observed
 
     attend = ObservingPrefill(jnp.asarray(mask), observed_slots(jnp.asarray(mask), OBSERVE))
     _h, (k, v, q_obs) = forward_with(model.module, jnp.asarray(ids), jnp.asarray(mask), attend)
     if observed:
-        pinned = pinned_prompt_tokens(jnp.asarray(mask), sinks, observed, q_obs, k)
+        tail = (mask.sum(axis=1) - 1) % window + 1 if keep_tail else 0
+        pinned = pinned_prompt_tokens(jnp.asarray(mask), sinks, observed, q_obs, k, tail)
     else:
         pinned = pinned_prompt_tokens(jnp.asarray(mask), sinks)
     pinned = np.broadcast_to(np.asarray(pinned), (CFG.num_layers, 2, t, CFG.num_kv_heads))
@@ -191,7 +201,9 @@ def test_pinned_prompt_tokens_stay_exact_through_decoding(model, sinks, observed
             params, ek, ev, valid, coded, toks[:, i : i + 1], (positions + i)[:, None], t + i
         )
         np.testing.assert_allclose(model.module.head(h_pq)[:, 0], ref_logits, atol=1e-4, rtol=1e-4)
-    np.testing.assert_array_equal(cache.window_lengths, sinks + observed + (steps - 1) % window + 1)
+    n = mask.sum(axis=1) + steps
+    recent = (n - 1) % window + 1 if keep_tail else np.full(2, (steps - 1) % window + 1)
+    np.testing.assert_array_equal(cache.window_lengths, sinks + observed + recent)
 
 
 def test_generation_with_every_prompt_token_pinned_is_dense_greedy(model):

@@ -91,12 +91,15 @@ def pinned_prompt_tokens(
     keep: int = 0,
     q_observed: jnp.ndarray | None = None,
     k: jnp.ndarray | None = None,
+    exact_tail: jnp.ndarray | int = 0,
 ) -> jnp.ndarray:
     """Prompt tokens a quantized cache keeps exact for good: `[L, B, S, K]` bool (L = 1 without `keep`).
 
     The first `sinks` real tokens of each row (attention sinks) and, with `keep`, the `keep` tokens per
     layer and kv head that the observed queries `q_observed [L, B, W, H, hd]` (the row's last W tokens,
-    `ObservingPrefill`) weight most among the others before them, over keys `k [L, B, S, K, hd]`.
+    `ObservingPrefill`) weight most among the others before them, over keys `k [L, B, S, K, hd]`. The
+    last `exact_tail [B]` real tokens (exact anyway, in the recent window) are never chosen, so every
+    layer and kv head of a row pins as many tokens.
     """
     position = real_positions(mask)  # [B, S]
     sink = mask & (position < sinks)
@@ -106,6 +109,7 @@ def pinned_prompt_tokens(
         raise ValueError("pinned_prompt_tokens: keep needs the observed queries and the keys")
     observe = q_observed.shape[2]
     lengths = mask.sum(axis=1, keepdims=True)
-    candidates = mask & (position >= sinks) & (position < lengths - observe)
+    last = jnp.maximum(observe, jnp.reshape(jnp.asarray(exact_tail), (-1, 1)))  # [B or 1, 1]
+    candidates = mask & (position >= sinks) & (position < lengths - last)
     chosen = jax.lax.map(lambda x: observed_exact_mask(x[0], x[1], candidates, keep), (q_observed, k))
     return chosen | sink[None, :, :, None]
