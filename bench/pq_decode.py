@@ -138,7 +138,7 @@ def _pq_chain(model, codebooks, context: int, total_steps: int, window: int, bat
     cfg = model.config
     exact = window // 2
     capacity = context + total_steps + window
-    _, step = _compiled(model, capacity, window, False, (0.0, None, None), (), 0, "auto")
+    _, step = _compiled(model, capacity, (window, False, 0, 0), (0.0, None, None), (), 0, "auto")
     k_cent, v_cent = codebooks.stacked()
     k_codes, v_codes = random_codes(codebooks, (cfg.num_layers, batch, cfg.num_kv_heads, capacity))
     win = jax.random.normal(
@@ -158,7 +158,13 @@ def _pq_chain(model, codebooks, context: int, total_steps: int, window: int, bat
     def advance(state):
         cache, logits, i = state
         _, _, logits, cache = step(
-            model.params, k_cent, v_cent, cache, logits, key, done, jnp.full((batch,), context + i)
+            model.params,
+            (k_cent, v_cent, None, None),
+            cache,
+            logits,
+            key,
+            done,
+            jnp.full((batch,), context + i),
         )
         return cache, logits, i + 1
 

@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
             }
         )
         print(f"item {n}/{len(items)} answer {item.answer}: {answers}", flush=True)
-    payload["rows"] = summary(payload["items"], list(caches), bits)
-    write_result("pq_real_generate_retrieval", payload)
+        payload["rows"] = summary(payload["items"], list(caches), bits)
+        payload["complete"] = n == len(items)
+        write_result("pq_real_generate_retrieval", payload)  # after every item: a stopped run keeps them
     plot(payload)
     return payload
 
