@@ -157,7 +157,7 @@ def summary(items: list[dict], names: list[str], bits: dict[str, float]) -> list
 def plot(payload: dict) -> None:
     """Exact match per cache through generate, beside the harness's on the same items."""
     rows = payload["rows"]
-    fig, ax = subplots(figsize=(8, 3))
+    fig, ax = subplots(figsize=(10, 3))
     y = np.arange(len(rows))
     ax.barh(y + 0.2, [r["right"] / r["samples"] for r in rows], 0.4, label="jaxlongctx.generate (the cache)")
     ax.barh(
@@ -166,13 +166,17 @@ def plot(payload: dict) -> None:
         0.4,
         label="evaluation harness (fake quantization)",
     )
-    ax.set_yticks(y, [f"{r['name']} ({r['bits_per_element']} bits)" for r in rows], fontsize=7)
+    short = lambda name: name.replace(
+        "pq ds1 layer weighted sink4 R128 4-bit cal8K", "PQ ds1 4-bit, sinks, R128"
+    )
+    ax.set_yticks(y, [f"{short(r['name'])} ({r['bits_per_element']:.2f} bits)" for r in rows], fontsize=7)
     ax.set_xlim(0, 1)
     ax.set_xlabel("exact match")
     ax.set_title(
         f"SmolLM2-135M, {payload['context']:,}-token chat retrieval, {rows[0]['samples']} items", fontsize=10
     )
     ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
     save_plot(fig, plot_path("pq_real_generate_retrieval"), dpi=120)
 
 
