@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxlongctx.data.chat_retrieval import RetrievalItem
 from jaxlongctx.data.haystack import CODE_DIGITS
-from jaxlongctx.kvcache.observed_tokens import ObservingPrefill, observed_exact_mask, observed_slots
+from jaxlongctx.kvcache.observed_tokens import ObservingPrefill, observed_slots, pinned_prompt_tokens
 from jaxlongctx.model.llama import decode_hidden, forward_hidden, forward_with
 from jaxlongctx.model.model import Model
 from jaxlongctx.train.evaluate import KVTransform
@@ -81,10 +81,9 @@ def _observing_prefill(model: Model, observe: int) -> Callable:
 
 
 @partial(jax.jit, static_argnames="keep")
-def _observed_exact(q_observed: jnp.ndarray, k: jnp.ndarray, start: jnp.ndarray, keep: int) -> jnp.ndarray:
-    """`observed_exact_mask` of every layer over the slots before `start [B]`: `[L, B, S, K]`."""
-    candidates = jnp.arange(k.shape[2])[None] < start[:, None]
-    return jax.lax.map(lambda x: observed_exact_mask(x[0], x[1], candidates, keep), (q_observed, k))
+def _observed_exact(mask: jnp.ndarray, q_observed: jnp.ndarray, k: jnp.ndarray, keep: int) -> jnp.ndarray:
+    """The `keep` tokens per layer and kv head the observed queries weight most: `[L, B, S, K]`."""
+    return pinned_prompt_tokens(mask, 0, keep, q_observed, k)
 
 
 @lru_cache(maxsize=32)
@@ -122,8 +121,9 @@ def answer(
         kq, vq = _quantizer(transform)(k[:, :, last], v[:, :, last])
         exact = (jnp.arange(k.shape[2]) >= prompt_cache.length - recent_exact)[None, None, :, None, None]
         if observed_exact:
-            start = jnp.asarray([prompt_cache.length - prompt_cache.observe], jnp.int32)
-            chosen = _observed_exact(prompt_cache.q_observed, k, start, observed_exact)  # [L, B, S, K]
+            chosen = _observed_exact(
+                prompt_cache.mask, prompt_cache.q_observed, k, observed_exact
+            )  # [L B S K]
             exact = exact | chosen[..., None]
         k, v = jnp.where(exact, k, kq), jnp.where(exact, v, vq)
     cache_k, cache_v = (x.transpose(0, 1, 3, 2, 4) for x in (k, v))  # [L, B, K, S, hd]

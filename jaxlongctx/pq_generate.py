@@ -28,7 +28,7 @@ from jaxlongctx.kvcache.observed_tokens import (
     observed_slots,
     pinned_prompt_tokens,
 )
-from jaxlongctx.kvcache.pq_cache import PQCache, flush_full_rows
+from jaxlongctx.kvcache.pq_cache import PQCache, exact_tail, flush_full_rows
 from jaxlongctx.model import llama
 from jaxlongctx.model.attention_strategies import PQDecode
 from jaxlongctx.model.layers import DecoderLayer, Dense
@@ -57,8 +57,7 @@ def pq_prefill(
     if observed:  # the last OBSERVE prompt tokens' queries choose the observed tokens
         attend = ObservingPrefill(mask, observed_slots(mask, OBSERVE))
         h, (k, v, q_observed) = forward_with(module, ids, mask, attend)  # k/v: L B T K D
-        lengths = mask.sum(axis=1).astype(jnp.int32)
-        tail = jnp.where(lengths > 0, (lengths - 1) % window + 1, 0) if keep_tail_exact else 0
+        tail = exact_tail(mask.sum(axis=1).astype(jnp.int32), window) if keep_tail_exact else 0
         pinned = pinned_prompt_tokens(mask, sinks, observed, q_observed, k, tail)
     else:
         h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)
@@ -175,10 +174,7 @@ def generate_pq(
     exact = (cache.window, cache.keep_prompt_tail_exact, cache.sinks, cache.observed)
     prefill, step = _compiled(model, capacity, exact, *req.static_key, cache.backend)
     k_cent, v_cent = place_codebooks(*cache.codebooks.stacked(), model.mesh)
-    k_w, v_w = cache.codebooks.stacked_weights()  # None unless attention-weighted
-    if k_w is not None and model.mesh is not None:
-        raise ValueError("attention-weighted codebooks are not supported on a mesh yet")
-    codebooks = (k_cent, v_cent, k_w, v_w)
+    codebooks = (k_cent, v_cent, *cache.codebooks.stacked_weights())  # weights None unless weighted
 
     weights = model.params  # gathered once: the parameter tree costs milliseconds to build per step
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ import jaxlongctx
 from jaxlongctx import PQKV, SamplingParams
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kvcache import Codebooks, centroid_shape
-from jaxlongctx.kvcache.pq_cache import decode_layers, encode_layers
+from jaxlongctx.kvcache.pq_cache import decode_layers, encode_layers, exact_tail
 from jaxlongctx.model.llama import decode_hidden, forward_hidden
 from jaxlongctx.pq_generate import pq_decode_hidden, pq_prefill
 
@@ -176,7 +176,7 @@ def test_pinned_prompt_tokens_stay_exact_through_decoding(model, sinks, observed
     attend = ObservingPrefill(jnp.asarray(mask), observed_slots(jnp.asarray(mask), OBSERVE))
     _h, (k, v, q_obs) = forward_with(model.module, jnp.asarray(ids), jnp.asarray(mask), attend)
     if observed:
-        tail = (mask.sum(axis=1) - 1) % window + 1 if keep_tail else 0
+        tail = exact_tail(jnp.asarray(mask.sum(axis=1)), window) if keep_tail else 0
         pinned = pinned_prompt_tokens(jnp.asarray(mask), sinks, observed, q_obs, k, tail)
     else:
         pinned = pinned_prompt_tokens(jnp.asarray(mask), sinks)

@@ -100,7 +100,7 @@ class PQCache(NamedTuple):
             0, 1, 3, 2, 4
         )  # L B K T D
         v = jnp.take_along_axis(v, order[None, :, :, None, None], axis=2).transpose(0, 1, 3, 2, 4)
-        exact = jnp.where(lens > 0, (lens - 1) % window + 1, 0) if keep_tail_exact else jnp.zeros_like(lens)
+        exact = exact_tail(lens, window) if keep_tail_exact else jnp.zeros_like(lens)
         coded = lens - exact
         if pinned_mask is not None:  # pinned tokens after the coded ones, before the exact tail
             slot = jnp.arange(t)
@@ -124,14 +124,17 @@ class PQCache(NamedTuple):
         return cls(k_codes, v_codes, k_win, v_win, coded, pinned + exact, pinned)
 
 
+def exact_tail(lengths: jnp.ndarray, window: int) -> jnp.ndarray:
+    """Prompt tokens a `keep_tail_exact` cache holds in its recent window: the last ((n - 1) mod R) + 1
+    of a row of n tokens (0 for an empty row), what a token-by-token decode would have left there."""
+    return jnp.where(lengths > 0, (lengths - 1) % window + 1, 0)
+
+
 def encode_layers(x: jnp.ndarray, cent: jnp.ndarray, weights: jnp.ndarray | None = None) -> jnp.ndarray:
     """Encode x `[L, B, K, N, D]` with stacked centroids `[L, M, C, ds]` or `[L, K, M, C, ds]` (and
     encode weights `[L, (K,) D]`, if any) -> the cache's codes `[L, B, K, N, M]` (`[..., M/2]` when
     4-bit codes are packed)."""
-    if weights is None:
-        codes = jax.lax.map(lambda xc: encode(xc[0], xc[1]), (x, cent))
-    else:
-        codes = jax.lax.map(lambda xcw: encode(*xcw), (x, cent, weights))
+    codes = jax.lax.map(lambda xcw: encode(*xcw), (x, cent, weights))  # weights None: unweighted
     return pack_codes(codes) if packs(cent.shape[-2], cent.shape[-3]) else codes
 
 
