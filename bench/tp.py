@@ -118,7 +118,7 @@ def cache_bytes_per_device(
             device = jax.devices()[0]
             placed = [put_batch(x, model.mesh) for x in (ids, mask)]
             _, dense = jax.jit(_prefill, static_argnums=(0, 1))(model, prompt, model.params, *placed)
-            k_cent, v_cent = place_codebooks(*codebooks.stacked(), model.mesh)
+            k_cent, v_cent, _, _ = place_codebooks(codebooks, model.mesh)  # unweighted
             pq = jax.jit(
                 lambda p, kc, vc, i, m, mod=model: pq_prefill(mod.merge(p), kc, vc, prompt, 16, False, i, m)
             )(model.params, k_cent, v_cent, *placed)[1]

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlongctx.cache_choice import PQKV
 from jaxlongctx.decode_loop import Request, bucket_length, choose_next, last_real_index
+from jaxlongctx.kvcache.codebooks import Codebooks
 from jaxlongctx.kvcache.model_codebooks import check_codebooks
 from jaxlongctx.kvcache.observed_tokens import (
     OBSERVE,
@@ -63,19 +64,26 @@ def pq_prefill(
         h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)
         pinned = pinned_prompt_tokens(mask, sinks) if sinks else None
     logits = module.head(jnp.take_along_axis(h, last_real_index(mask)[:, None, None], axis=1))[:, 0]
-    encode = partial(
-        PQCache.from_prefill,
-        capacity=capacity,
-        window=window,
-        keep_tail_exact=keep_tail_exact,
-        pinned_slots=sinks + observed,
-    )
-    args = (k, v, mask, k_cent, v_cent)
-    if pinned is None and k_weights is None:
-        return logits, per_kv_shard(encode, _cache_specs(mask), *args)
-    if mesh_of_arrays(k) is not None:
-        raise ValueError("pinned prompt tokens and encode weights are not supported on a mesh yet")
-    return logits, encode(*args, pinned_mask=pinned, k_weights=k_weights, v_weights=v_weights)
+    mesh, heads = mesh_of_arrays(k), None
+    if pinned is not None and mesh is not None:  # split like k [L B T K D]
+        batch, _, heads = jax.typeof(k).sharding.spec[1:4]
+        pinned = jax.sharding.reshard(pinned, NamedSharding(mesh, P(None, batch, None, heads)))
+
+    def encode(k, v, mask, k_cent, v_cent, pinned, k_weights, v_weights):  # one (rows, kv heads) shard
+        cache = PQCache.from_prefill(
+            k, v, mask, k_cent, v_cent, capacity, window, keep_tail_exact,
+            pinned_mask=pinned, pinned_slots=sinks + observed, k_weights=k_weights, v_weights=v_weights,
+        )  # fmt: skip
+        if heads is None:
+            return cache
+        # a row pins as many tokens in every kv head; the max over the head shards says so to shard_map
+        same = lambda x: jax.lax.pmax(x, heads)
+        return cache._replace(
+            lengths=same(cache.lengths), window_lengths=same(cache.window_lengths), pinned=same(cache.pinned)
+        )
+
+    args = (k, v, mask, k_cent, v_cent, pinned, k_weights, v_weights)
+    return logits, per_kv_shard(encode, _cache_specs(mask), *args)
 
 
 def _cache_specs(rows: jnp.ndarray) -> PQCache:
@@ -83,16 +91,16 @@ def _cache_specs(rows: jnp.ndarray) -> PQCache:
     return PQCache.partition_specs(jax.typeof(rows).sharding.spec[0], LOGICAL_AXES["kv_heads"])
 
 
-def place_codebooks(
-    k_cent: jnp.ndarray, v_cent: jnp.ndarray, mesh: Mesh | None
-) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Stacked centroids on the model's mesh: per-kv-head ones `[L, K, M, C, ds]` split over tp, shared
-    ones `[L, M, C, ds]` replicated; unchanged without a mesh."""
+def place_codebooks(codebooks: Codebooks, mesh: Mesh | None) -> tuple[jnp.ndarray | None, ...]:
+    """Stacked centroids and encode weights (k_cent, v_cent, k_weights, v_weights; weights None unless
+    weighted) on the model's mesh: per-kv-head ones (`[L, K, M, C, ds]`, `[L, K, D]`) split over tp,
+    the others (`[L, M, C, ds]`, `[L, D]`) replicated; unchanged without a mesh."""
+    arrays = (*codebooks.stacked(), *codebooks.stacked_weights())
     if mesh is None:
-        return k_cent, v_cent
-    heads = (None, LOGICAL_AXES["kv_heads"]) if k_cent.ndim == 5 else ()
+        return arrays
+    heads = (None, LOGICAL_AXES["kv_heads"]) if codebooks.granularity == "layer_head" else ()
     sharding = NamedSharding(mesh, P(*heads))
-    return put(k_cent, sharding), put(v_cent, sharding)
+    return tuple(None if x is None else put(x, sharding) for x in arrays)
 
 
 def pq_decode_hidden(
@@ -173,8 +181,7 @@ def generate_pq(
     capacity = bucket_length(ids_p.shape[1] + req.max_new_tokens + cache.window)  # a flush writes R slots
     exact = (cache.window, cache.keep_prompt_tail_exact, cache.sinks, cache.observed)
     prefill, step = _compiled(model, capacity, exact, *req.static_key, cache.backend)
-    k_cent, v_cent = place_codebooks(*cache.codebooks.stacked(), model.mesh)
-    codebooks = (k_cent, v_cent, *cache.codebooks.stacked_weights())  # weights None unless weighted
+    codebooks = place_codebooks(cache.codebooks, model.mesh)  # centroids, weights (None unless weighted)
 
     weights = model.params  # gathered once: the parameter tree costs milliseconds to build per step
     t0 = time.perf_counter()

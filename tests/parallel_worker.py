@@ -88,6 +88,14 @@ def sample_inputs(config: ModelConfig = CFG) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
+def long_inputs(config: ModelConfig = CFG) -> tuple[np.ndarray, np.ndarray]:
+    """A padded batch of 4 prompts longer than the 32 tokens that choose observed ones (row 1 left-padded)."""
+    ids = np.random.default_rng(7).integers(3, config.vocab_size, (4, 44)).astype(np.int32)
+    mask = np.ones_like(ids, bool)
+    mask[1, :3] = False
+    return ids, mask
+
+
 def reference(config: ModelConfig = CFG) -> dict[str, Any]:
     """Single-device logits and greedy tokens (no mesh at all)."""
     model, (ids, mask) = make_model(config), sample_inputs(config)
@@ -197,64 +205,84 @@ def pq_teacher_forced(
     mask: np.ndarray,
     forced: np.ndarray,
     window: int,
+    sinks: int = 0,
+    observed: int = 0,
 ) -> tuple[np.ndarray, Any]:
-    """Logits `[B, 1 + steps, V]` of a PQ prefill then decode steps fed `forced` `[B, steps]` (several
-    window flushes), and the final cache, on the model's mesh (or none)."""
+    """Logits `[B, 1 + steps, V]` of a PQ prefill (its first `sinks` and `observed` attended-to prompt
+    tokens exact) then decode steps fed `forced` `[B, steps]` (several window flushes), and the final
+    cache, on the model's mesh (or none)."""
     from jaxlongctx.pq_generate import place_codebooks, pq_decode_hidden, pq_prefill
 
     capacity = ids.shape[1] + forced.shape[1] + window
 
-    def run(params, k_cent, v_cent, ids, mask, forced):
-        module = model.merge(params)
-        logits, cache = pq_prefill(module, k_cent, v_cent, capacity, window, False, ids, mask)
+    def run(params, placed, ids, mask, forced):
+        module, (k_cent, v_cent, k_w, v_w) = model.merge(params), placed
+        logits, cache = pq_prefill(
+            module, k_cent, v_cent, capacity, window, False, ids, mask, sinks, observed, k_w, v_w
+        )
         positions, steps = mask.sum(axis=1), [logits]
         for i in range(forced.shape[1]):
             h, cache = pq_decode_hidden(
-                module, k_cent, v_cent, forced[:, i : i + 1], (positions + i)[:, None], cache
-            )
+                module, k_cent, v_cent, forced[:, i : i + 1], (positions + i)[:, None], cache,
+                recent=window, k_weights=k_w, v_weights=v_w,
+            )  # fmt: skip
             steps.append(module.head(h)[:, 0])
         return jnp.stack(steps, axis=1), cache
 
-    k_cent, v_cent = place_codebooks(*codebooks.stacked(), model.mesh)
+    placed = place_codebooks(codebooks, model.mesh)
     logits, cache = jax.jit(run)(
-        model.params, k_cent, v_cent, *(put_batch(x, model.mesh) for x in (ids, mask, forced))
+        model.params, placed, *(put_batch(x, model.mesh) for x in (ids, mask, forced))
     )
     return np.asarray(logits), cache
 
 
 def check_pq_generation(base: jaxlongctx.Model) -> dict[str, Any]:
-    """PQ-cache decoding (layer_head codebooks; shared ones on 2x2) on every mesh vs one device:
-    teacher-forced logits, greedy tokens, and the code buffers split over batch and kv heads."""
+    """PQ-cache decoding (layer_head codebooks; shared ones on 2x2; attention-weighted layer_head and
+    layer ones with pinned sink and observed prompt tokens) on every mesh vs one device: teacher-forced
+    logits, greedy tokens, and the code buffers split over batch and kv heads."""
     from jaxlongctx.kvcache.calibrate import calibrate
 
-    ids, mask = sample_inputs()
+    short, long = sample_inputs(), long_inputs()
     stream = np.random.default_rng(5).integers(3, CFG.vocab_size, 2048)
-    forced = np.random.default_rng(6).integers(3, CFG.vocab_size, (ids.shape[0], 10)).astype(np.int32)
     window = 4
+    cases = (  # name, granularity, weighting, sinks, observed, inputs, meshes
+        ("layer_head", "layer_head", "none", 0, 0, short, MESHES),
+        ("shared", "shared", "none", 0, 0, short, [(2, 2)]),
+        ("layer_head weighted pinned", "layer_head", "attention", 2, 3, long, MESHES),
+        ("layer weighted pinned", "layer", "attention", 2, 3, long, [(2, 2)]),
+    )
     out: dict[str, Any] = {}
-    for granularity, meshes in (("layer_head", MESHES), ("shared", [(2, 2)])):
+    for name, granularity, weighting, sinks, observed, (ids, mask), meshes in cases:
+        forced = np.random.default_rng(6).integers(3, CFG.vocab_size, (ids.shape[0], 10)).astype(np.int32)
         cb = calibrate(
-            base, stream, ds=2, bits=4, granularity=granularity, iters=4, seq_len=64, max_tokens=1024
-        )
+            base, stream, ds=2, bits=4, granularity=granularity, iters=4, seq_len=64, max_tokens=1024,
+            weighting=weighting,
+        )  # fmt: skip
         generate = lambda m: jaxlongctx.generate(
             m,
             ids,
             jaxlongctx.SamplingParams(NEW_TOKENS + window, stop_ids=()),
-            cache=jaxlongctx.PQKV(cb, window=window),
+            cache=jaxlongctx.PQKV(cb, window=window, sinks=sinks, observed=observed),
             attention_mask=mask,
         )
-        want_logits, _ = pq_teacher_forced(base, cb, ids, mask, forced, window)
+        forced_run = lambda m: pq_teacher_forced(m, cb, ids, mask, forced, window, sinks, observed)
+        want_logits, want_cache = forced_run(base)
         want_tokens = generate(base)
         for tp, dp in meshes:
             model = shard_model(base, make_mesh(tp=tp, dp=dp))
-            logits, cache = pq_teacher_forced(model, cb, ids, mask, forced, window)
+            logits, cache = forced_run(model)
             shard = cache.k_codes.addressable_shards[0].data.shape
-            out[f"{granularity} dp{dp}xtp{tp}"] = {
+            out[f"{name} dp{dp}xtp{tp}"] = {
                 "logit_max_diff": float(np.abs(logits - want_logits).max()),
                 "tokens_equal": bool((generate(model) == want_tokens).all()),
+                "codes_equal": bool((np.asarray(cache.k_codes) == np.asarray(want_cache.k_codes)).all()),
+                "window_max_diff": float(
+                    np.abs(np.asarray(cache.k_window) - np.asarray(want_cache.k_window)).max()
+                ),
                 "codes_spec": str(cache.k_codes.sharding.spec),
                 "codes_shard_fraction": [a // b for a, b in zip(cache.k_codes.shape, shard)],
                 "lengths_after": np.asarray(cache.lengths).tolist(),
+                "pinned": np.asarray(cache.pinned_counts()).tolist(),
             }
     return out
 
@@ -414,8 +442,9 @@ def run_armt() -> dict[str, Any]:
 
 def run_kv_replicas(combos: list[tuple[int, int]], tokens: bool) -> dict[str, Any]:
     """For each (kv heads K, tp): a 16-head model with K kv heads on a tp mesh (kv heads replicated when
-    tp > K) against one device: dense logits, PQ teacher-forced logits, ARMT diagonal logits (and greedy
-    tokens of all three if `tokens`), and how many kv heads each device holds in the caches."""
+    tp > K) against one device: dense logits, PQ teacher-forced logits (also with pinned sink and observed
+    prompt tokens), ARMT diagonal logits (and greedy tokens of dense, PQ and ARMT if `tokens`), and how many
+    kv heads each device holds in the caches."""
     from jaxlongctx.armt import ARMTConfig, ARMTModel
     from jaxlongctx.armt.cpu_execution import PIPELINE_ALWAYS
     from jaxlongctx.kvcache.calibrate import calibrate
@@ -434,10 +463,13 @@ def run_kv_replicas(combos: list[tuple[int, int]], tokens: bool) -> dict[str, An
             jaxlongctx.generate(m, ids, GREEDY, attention_mask=mask, **kw) if tokens else None
         )
         pq_logits, pq_cache = pq_teacher_forced(model, codebooks, ids, mask, forced, window)
+        long_ids, long_mask = long_inputs(model.config)  # 2 sinks and 3 observed tokens pinned
+        pinned_logits, _ = pq_teacher_forced(model, codebooks, long_ids, long_mask, forced, window, 2, 3)
         armt_logits, armt_state = armt.run(ids, mask)
         return {
             "dense": (np.asarray(model(ids, mask)), greedy(model)),
             "pq": (pq_logits, greedy(model, **pq)),
+            "pq_pinned": (pinned_logits, None),
             "armt": (np.asarray(armt_logits), greedy(armt)),
             "pq_cache": pq_cache,
             "armt_state": armt_state,
@@ -469,9 +501,9 @@ def run_kv_replicas(combos: list[tuple[int, int]], tokens: bool) -> dict[str, An
                 "pq_codes_local_heads": got["pq_cache"].k_codes.addressable_shards[0].data.shape[2],
                 "armt_A_spec": str(got["armt_state"].A.sharding.spec),
             }
-            for name in ("dense", "pq", "armt"):
+            for name in ("dense", "pq", "pq_pinned", "armt"):
                 row[f"{name}_logit_max_diff"] = float(np.abs(got[name][0] - want[name][0]).max())
-                if tokens:
+                if tokens and want[name][1] is not None:
                     row[f"{name}_tokens_equal"] = bool((got[name][1] == want[name][1]).all())
             out[f"kv{kv}xtp{tp}"] = row
     return out

@@ -106,18 +106,23 @@ def test_load_restores_into_shards(meshes, source):
 
 def test_pq_generation_matches_one_device(meshes):
     got = meshes["pq_generate"]
-    assert sorted(got) == sorted([f"layer_head dp{dp}xtp{tp}" for tp, dp in MESHES] + ["shared dp2xtp2"])
+    head_cases = ("layer_head", "layer_head weighted pinned")
+    want = [f"{c} dp{dp}xtp{tp}" for c in head_cases for tp, dp in MESHES]
+    assert sorted(got) == sorted(want + ["shared dp2xtp2", "layer weighted pinned dp2xtp2"])
     for name, m in got.items():
         assert m["logit_max_diff"] <= TOLERANCE and m["tokens_equal"], (name, m)
+        assert m["codes_equal"] and m["window_max_diff"] <= TOLERANCE, (name, m)
         dp, tp = (int(x) for x in name.split(" dp")[1].split("xtp"))
         assert m["codes_spec"] == (
             "P(None, 'dp', 'tp', None, None)" if dp > 1 else "P(None, None, 'tp', None, None)"
         )
         assert m["codes_shard_fraction"] == [1, dp, tp, 1, 1], (name, m)
-        assert m["lengths_after"] == [17, 14, 17, 17], (
-            name,
-            m,
-        )  # 9 (6) prompt tokens + 2 flushed windows of 4
+        if "pinned" in name:  # 2 sinks + 3 observed pinned per row: 44 (41) prompt tokens less those
+            # coded at prefill, + 2 flushed windows of 4
+            assert m["pinned"] == [5, 5, 5, 5], (name, m)
+            assert m["lengths_after"] == [47, 44, 47, 47], (name, m)
+        else:  # 9 (6) prompt tokens + 2 flushed windows of 4
+            assert m["pinned"] == [0, 0, 0, 0] and m["lengths_after"] == [17, 14, 17, 17], (name, m)
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
@@ -164,8 +169,9 @@ KV_REPLICA_CASES = [(kv, tp) for kv in (2, 4) for tp in (2, 4, 8)]  # (kv heads,
 
 
 def _check_kv_replicas(tmp_path, cases: list[tuple[int, int]], tokens: bool) -> None:
-    """Dense, PQ and ARMT on tp devices with K kv heads (replicated when tp > K) equal one device, and
-    each device holds max(K / tp, 1) kv heads of the weights and of both caches."""
+    """Dense, PQ (also with pinned prompt tokens) and ARMT on tp devices with K kv heads (replicated when
+    tp > K) equal one device, and each device holds max(K / tp, 1) kv heads of the weights and of both
+    caches."""
     out = tmp_path / "kv_replicas.json"
     proc = subprocess.run(
         [
@@ -186,7 +192,7 @@ def _check_kv_replicas(tmp_path, cases: list[tuple[int, int]], tokens: bool) -> 
     assert sorted(got) == sorted(f"kv{kv}xtp{tp}" for kv, tp in cases)
     for kv, tp in cases:
         row = got[f"kv{kv}xtp{tp}"]
-        for name in ("dense", "pq", "armt"):
+        for name in ("dense", "pq", "pq_pinned", "armt"):
             assert row[f"{name}_logit_max_diff"] <= TOLERANCE, (kv, tp, name, row)
             assert row.get(f"{name}_tokens_equal", True), (kv, tp, name, row)
         assert (

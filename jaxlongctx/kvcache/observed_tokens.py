@@ -73,16 +73,15 @@ def observed_exact_mask(
 ) -> jnp.ndarray:
     """Which prompt tokens of one layer stay exact: `[B, S, K]` bool, `keep` per row and kv head among
     the `candidates [B, S]` (fewer where a row has fewer), those the observed queries weight most."""
-    slots = k.shape[1]
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     weights = observed_weights(q_observed, k, candidates)  # [B, K, S]
     pooled = jax.lax.reduce_window(weights, -jnp.inf, jax.lax.max, (1, 1, pool), (1, 1, 1), "SAME")
     pooled = jnp.where(candidates[:, None], pooled, -jnp.inf)
-    _, chosen = jax.lax.top_k(pooled, min(keep, slots))  # [B, K, keep]
-    mask = jnp.zeros(pooled.shape, bool)
-    mask = jax.vmap(jax.vmap(lambda row, idx: row.at[idx].set(True)))(mask, chosen)
-    return (mask & candidates[:, None]).transpose(0, 2, 1)
+    # the top `keep` (ties to the earlier slot, as lax.top_k); ranks, not a scatter, so that it keeps
+    # the scores' (rows, kv heads) sharding on a mesh
+    rank = jnp.argsort(jnp.argsort(-pooled, axis=-1, stable=True), axis=-1)  # [B, K, S]
+    return ((rank < keep) & candidates[:, None]).transpose(0, 2, 1)
 
 
 def pinned_prompt_tokens(
