@@ -63,8 +63,8 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         choices=WEIGHTINGS,
         default="none",
         help="attention: weight each channel by its effect on attention in k-means and encoding "
-        "(query second moments for keys, W_o row norms for values); measured by eval-ppl --kv pq, "
-        "not yet usable by PQ generation (default none)",
+        "(query second moments for keys, W_o row norms for values); generation and eval-ppl --kv pq "
+        "encode with the same weights (default none)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
