@@ -29,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import plot_path, save_plot, subplots, use_quick_results, write_result
+from jaxlongctx.kvcache.observed_tokens import SPAN
 
 RECENT = 128  # exact recent window (MILLION's R, KIVI's residual)
 SINKS = 4  # exact first tokens
 OBSERVED_EXACT = (64, 256)  # prompt tokens per layer and kv head the question attends to, kept exact
+SYMMETRIC_SPAN = (3, 3)  # SnapKV's 7-token pooling, which the first observed-token rows used
 CALIBRATION_KEYS = ("calib_tokens", "kmeans_iters", "points_per_centroid")  # a run's k-means settings
 GROUP = 128  # KIVI group size
 
@@ -51,6 +53,7 @@ class Setting:
     bits: int = 8  # PQ code width (8: 256 centroids per subspace)
     calib_window: int = 512  # tokens per calibration window (post-RoPE keys are seen up to this position)
     observed: int = 0  # prompt tokens per layer and kv head kept exact for the question (retrieval only)
+    observed_span: tuple[int, int] = SPAN  # positions before and after a token its score is pooled over
 
     @property
     def codebook_key(self) -> str:
@@ -71,8 +74,11 @@ def pq(
     bits: int = 8,
     calib_window: int = 512,
     observed: int = 0,
+    observed_span: tuple[int, int] = SPAN,
 ) -> Setting:
-    """A PQ setting named after its parts ("cal8K": codebooks from 8,192-token calibration windows)."""
+    """A PQ setting named after its parts ("cal8K": codebooks from 8,192-token calibration windows;
+    "obs256": 256 observed tokens scored over SnapKV's symmetric 7-token span, which the first runs
+    used, "obs256 span8+2" over the 8 tokens before and 2 after)."""
     extras = [
         w
         for w, on in (
@@ -85,11 +91,14 @@ def pq(
                 calib_window != 512,
             ),
             (f"obs{observed}", observed),
+            (f"span{observed_span[0]}+{observed_span[1]}", observed and observed_span != SYMMETRIC_SPAN),
         )
         if on
     ]
     name = " ".join([f"pq ds{ds} {granularity}", *extras])
-    return Setting(name, "pq", ds, granularity, weighting, sinks, recent, bits, calib_window, observed)
+    return Setting(
+        name, "pq", ds, granularity, weighting, sinks, recent, bits, calib_window, observed, observed_span
+    )
 
 
 def ppl_settings(context: int) -> list[Setting]:
@@ -175,8 +184,10 @@ def retrieval_settings(context: int) -> list[Setting]:
     windows, the per-head rows of `per_head_settings`, ds 1 with packed 4-bit codes (4 bits per element)
     with and without those exact tokens and with the `OBSERVED_EXACT` tokens per layer and kv head that
     the prompt's last tokens attend to most also exact, ds 1 per layer and head with those exact tokens
-    (and the most observed ones), and the int4 baseline with and without the recent window; the decoded
-    tokens are exact in every cache."""
+    (and the most observed ones), ds 1 per layer with 128 and 256 observed tokens scored over `SPAN`,
+    and the int4 baseline with and without the recent window; the decoded tokens are exact in every
+    cache."""
+    packed = ("attention", SINKS, RECENT, 4, context)  # weighting, sinks, recent, bits, calib_window
     return [
         Setting("dense", "dense"),
         pq(2, "layer"),
@@ -186,13 +197,15 @@ def retrieval_settings(context: int) -> list[Setting]:
         *per_head_settings(context),
         pq(1, "layer", "attention", SINKS, RECENT, bits=4, calib_window=context),  # 4 bits, packed codes
         pq(1, "layer", bits=4, calib_window=context),
-        *(  # and the tokens the question attends to exact
-            pq(1, "layer", "attention", SINKS, RECENT, bits=4, calib_window=context, observed=n)
-            for n in OBSERVED_EXACT
+        *(  # and the tokens the question attends to exact, scored over SnapKV's symmetric span
+            pq(1, "layer", *packed, observed=n, observed_span=SYMMETRIC_SPAN) for n in OBSERVED_EXACT
         ),
         *(  # 16 levels per channel of each kv head (+1.9% perplexity at 8K), alone and with those tokens
-            pq(1, "layer_head", "attention", SINKS, RECENT, bits=4, calib_window=context, observed=n)
+            pq(1, "layer_head", *packed, observed=n, observed_span=SYMMETRIC_SPAN)
             for n in (0, max(OBSERVED_EXACT))
+        ),
+        *(  # observed tokens scored over the span that reaches the tokens after an attended one
+            pq(1, "layer", *packed, observed=n) for n in (128, 256)
         ),
         Setting("int4 g128", "int4"),
         Setting(f"int4 g128 R{RECENT}", "int4", recent=RECENT),
@@ -401,6 +414,7 @@ def run_retrieval(model: Any, store: CodebookStore, args: argparse.Namespace, co
                 transforms[s.name],
                 recent_exact=s.recent,
                 observed_exact=s.observed,
+                observed_span=s.observed_span,
             )
             answers[s.name] = model.tokenizer.decode([int(d) for d in digits])
         payload["items"].append(

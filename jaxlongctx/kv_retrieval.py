@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxlongctx.data.chat_retrieval import RetrievalItem
 from jaxlongctx.data.haystack import CODE_DIGITS
-from jaxlongctx.kvcache.observed_tokens import ObservingPrefill, observed_slots, pinned_prompt_tokens
+from jaxlongctx.kvcache.observed_tokens import SPAN, ObservingPrefill, observed_slots, pinned_prompt_tokens
 from jaxlongctx.model.llama import decode_hidden, forward_hidden, forward_with
 from jaxlongctx.model.model import Model
 from jaxlongctx.train.evaluate import KVTransform
@@ -80,10 +80,12 @@ def _observing_prefill(model: Model, observe: int) -> Callable:
     return fns[observe]
 
 
-@partial(jax.jit, static_argnames="keep")
-def _observed_exact(mask: jnp.ndarray, q_observed: jnp.ndarray, k: jnp.ndarray, keep: int) -> jnp.ndarray:
+@partial(jax.jit, static_argnames=("keep", "span"))
+def _observed_exact(
+    mask: jnp.ndarray, q_observed: jnp.ndarray, k: jnp.ndarray, keep: int, span: tuple[int, int]
+) -> jnp.ndarray:
     """The `keep` tokens per layer and kv head the observed queries weight most: `[L, B, S, K]`."""
-    return pinned_prompt_tokens(mask, 0, keep, q_observed, k)
+    return pinned_prompt_tokens(mask, 0, keep, q_observed, k, span=span)
 
 
 @lru_cache(maxsize=32)
@@ -106,11 +108,12 @@ def answer(
     transform: KVTransform | None,
     recent_exact: int = 0,
     observed_exact: int = 0,
+    observed_span: tuple[int, int] = SPAN,
 ) -> np.ndarray:
     """Greedy code digits `[CODE_DIGITS]` after the forced answer prefix, the prompt's K/V through
     `transform` except its last `recent_exact` tokens (MILLION's recent window) and, per layer and kv
     head, the `observed_exact` tokens the prompt's last tokens attend to most, kept exact (the prompt
-    cache must have observed them)."""
+    cache must have observed them; each token scored over `observed_span`, `observed_exact_mask`)."""
     k, v = prompt_cache.k, prompt_cache.v
     if observed_exact and prompt_cache.q_observed is None:
         raise ValueError("observed_exact needs a PromptCache made with observe > 0")
@@ -122,7 +125,7 @@ def answer(
         exact = (jnp.arange(k.shape[2]) >= prompt_cache.length - recent_exact)[None, None, :, None, None]
         if observed_exact:
             chosen = _observed_exact(
-                prompt_cache.mask, prompt_cache.q_observed, k, observed_exact
+                prompt_cache.mask, prompt_cache.q_observed, k, observed_exact, observed_span
             )  # [L B S K]
             exact = exact | chosen[..., None]
         k, v = jnp.where(exact, k, kq), jnp.where(exact, v, vq)

@@ -265,13 +265,19 @@ def test_observed_exact_mask_keeps_the_most_attended_keys():
     q = jnp.broadcast_to(target * 10, (2, 4, 4, 8))  # [B, W, H, hd]: every head looks for `target`
     start = jnp.asarray([40, 45])
     candidates = jnp.arange(50)[None] < start[:, None]
-    mask = observed_exact_mask(q, k, candidates, keep=5, pool=3)  # [B, S, K]
+    mask = observed_exact_mask(q, k, candidates, keep=5, span=(1, 1))  # [B, S, K]
     assert mask.shape == (2, 50, 2)
     np.testing.assert_array_equal(mask.sum(axis=1), 5)
     assert bool(mask[0, 17, 1]) and bool(mask[0, 16, 1]) and bool(mask[0, 18, 1])  # pooled neighbours
     assert bool(mask[1, 3, 0]) and not mask[0, 40:].any() and not mask[1, 45:].any()
+    # the default span keeps the 8 tokens after an attended one (what a copy reads next) and 2 before
+    mask = observed_exact_mask(q, k, candidates, keep=11)
+    np.testing.assert_array_equal(np.flatnonzero(mask[0, :, 1]), np.arange(15, 26))
+    np.testing.assert_array_equal(np.flatnonzero(mask[1, :, 0]), np.arange(1, 12))
     with pytest.raises(ValueError, match="keep must be"):
         observed_exact_mask(q, k, candidates, keep=0)
+    with pytest.raises(ValueError, match="span must be"):
+        observed_exact_mask(q, k, candidates, keep=5, span=(-1, 2))
 
 
 def test_observed_exact_prompt_tokens_bypass_the_transform():
@@ -298,7 +304,7 @@ def test_observed_exact_tokens_count_in_bits_per_element(smollm2_fp32, weighted_
     cfg, tokens = smollm2_fp32.config, 8192
     base = pq(4, "layer", "attention", 4, 128, bits=4)
     with_observed = pq(4, "layer", "attention", 4, 128, bits=4, observed=256)
-    assert with_observed.name == base.name + " obs256"
+    assert with_observed.name == base.name + " obs256 span8+2"
     extra = bits_per_element(with_observed, cfg, tokens, weighted_codebooks) - bits_per_element(
         base, cfg, tokens, weighted_codebooks
     )

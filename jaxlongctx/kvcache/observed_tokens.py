@@ -4,9 +4,15 @@ A quantized cache blurs every key a little; over thousands of tokens that noise 
 a question needs. The prefill is exact, and the prompt's last tokens (a chat prompt's question and
 the answer's opening) already attend to what they need there. So per layer and kv head, the `keep`
 tokens that the last `observe` queries weight most (their softmax weights summed over those queries
-and the kv head's query heads, then max-pooled over `pool` neighbouring positions so that a fact's
+and the kv head's query heads, then max-pooled over a span of neighbouring positions so that a fact's
 tokens come together) are kept exact and the others quantized: SnapKV's selection of the tokens a
 question needs, used to choose which tokens escape quantization.
+
+The span reaches further forward than back (`SPAN`): a question attends to where a fact starts (its
+subject, "... of the blue box is"), while an answer copies the tokens that follow (the code's digits,
+read one after the other as they are generated). With SnapKV's symmetric 7-token window the fourth
+digit after an attended " is" fell outside, and on 8K SmolLM2 retrieval the answers lost their last
+digits.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import jax.numpy as jnp
 from jaxlongctx.model.attention_strategies import CausalPrefill
 
 OBSERVE = 32  # last prompt tokens whose attention chooses the exact tokens
-POOL = 7  # neighbouring positions whose weights a token takes the largest of
+SPAN = (8, 2)  # a token takes the largest weight of the 8 tokens before it, its own and the 2 after it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +75,24 @@ def observed_weights(q_observed: jnp.ndarray, k: jnp.ndarray, candidates: jnp.nd
 
 
 def observed_exact_mask(
-    q_observed: jnp.ndarray, k: jnp.ndarray, candidates: jnp.ndarray, keep: int, pool: int = POOL
+    q_observed: jnp.ndarray,
+    k: jnp.ndarray,
+    candidates: jnp.ndarray,
+    keep: int,
+    span: tuple[int, int] = SPAN,
 ) -> jnp.ndarray:
     """Which prompt tokens of one layer stay exact: `[B, S, K]` bool, `keep` per row and kv head among
-    the `candidates [B, S]` (fewer where a row has fewer), those the observed queries weight most."""
+    the `candidates [B, S]` (fewer where a row has fewer), those the observed queries weight most, each
+    token scored by the largest weight among the `span[0]` tokens before it, its own and the `span[1]`
+    after it."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    before, after = span
+    if before < 0 or after < 0:
+        raise ValueError(f"span must be two counts >= 0, got {span}")
     weights = observed_weights(q_observed, k, candidates)  # [B, K, S]
-    pooled = jax.lax.reduce_window(weights, -jnp.inf, jax.lax.max, (1, 1, pool), (1, 1, 1), "SAME")
+    window, padding = (1, 1, before + 1 + after), ((0, 0), (0, 0), (before, after))
+    pooled = jax.lax.reduce_window(weights, -jnp.inf, jax.lax.max, window, (1, 1, 1), padding)
     pooled = jnp.where(candidates[:, None], pooled, -jnp.inf)
     # the top `keep` (ties to the earlier slot, as lax.top_k); ranks, not a scatter, so that it keeps
     # the scores' (rows, kv heads) sharding on a mesh
@@ -91,12 +107,14 @@ def pinned_prompt_tokens(
     q_observed: jnp.ndarray | None = None,
     k: jnp.ndarray | None = None,
     exact_tail: jnp.ndarray | int = 0,
+    span: tuple[int, int] = SPAN,
 ) -> jnp.ndarray:
     """Prompt tokens a quantized cache keeps exact for good: `[L, B, S, K]` bool (L = 1 without `keep`).
 
     The first `sinks` real tokens of each row (attention sinks) and, with `keep`, the `keep` tokens per
     layer and kv head that the observed queries `q_observed [L, B, W, H, hd]` (the row's last W tokens,
-    `ObservingPrefill`) weight most among the others before them, over keys `k [L, B, S, K, hd]`. The
+    `ObservingPrefill`) weight most among the others before them (each scored over its `span`,
+    `observed_exact_mask`), over keys `k [L, B, S, K, hd]`. The
     last `exact_tail [B]` real tokens (exact anyway, in the recent window) are never chosen, so every
     layer and kv head of a row pins as many tokens.
     """
@@ -110,5 +128,5 @@ def pinned_prompt_tokens(
     lengths = mask.sum(axis=1, keepdims=True)
     last = jnp.maximum(observe, jnp.reshape(jnp.asarray(exact_tail), (-1, 1)))  # [B or 1, 1]
     candidates = mask & (position >= sinks) & (position < lengths - last)
-    chosen = jax.lax.map(lambda x: observed_exact_mask(x[0], x[1], candidates, keep), (q_observed, k))
+    chosen = jax.lax.map(lambda x: observed_exact_mask(x[0], x[1], candidates, keep, span), (q_observed, k))
     return chosen | sink[None, :, :, None]
