@@ -7,10 +7,12 @@ read by the native CPU kernel, the exact window and the pinned prompt tokens in 
 prompt and answer prefix prefilled together, four digits decoded greedily, against `DenseKV`. The
 caches: ds 1 4-bit per-layer attention-weighted codebooks from 8K calibration windows (the +1.4%
 perplexity setting), with the first 4 tokens pinned and the prompt's tail exact, and the same with
-256 tokens per layer and kv head that the prompt's last tokens attend to most also pinned. Each answer
-is also paired with the harness's answer for the same item where a harness result file has it.
+256 tokens per layer and kv head that the prompt's last tokens attend to most also pinned (each scored
+over the cache's span, `observed_tokens.SPAN`). Each answer is also paired with the harness's answer
+for the same item where a harness result file has it.
 
     python -m bench.pq_real_generate_retrieval [--samples 30] [--codebooks-dir D] [--points-per-centroid 1024]
+        [--only NAME ...] [--name RESULT]
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--points-per-centroid", type=int, default=1024)
     p.add_argument("--codebooks-dir", default=str(Path.home() / ".cache" / "jaxlongctx" / "pq_real_model"))
     p.add_argument("--quick", action="store_true", help="2 items of 1K tokens, _quick result files")
+    p.add_argument("--only", nargs="+", default=[], help="PQ caches to ask (by setting name; dense always)")
+    p.add_argument("--name", default="pq_real_generate_retrieval", help="result file name")
     args = p.parse_args(argv)
     use_quick_results(args.quick)
     if args.quick:
@@ -75,7 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     caches: dict[str, Any] = {}
     bits: dict[str, float] = {}
-    for name, setting in settings(args.context).items():
+    chosen = {n: s for n, s in settings(args.context).items() if s is None or not args.only or n in args.only}
+    if args.only and len(chosen) != len(args.only) + 1:
+        raise SystemExit(f"--only: each name must be one of {sorted(settings(args.context))[1:]}")
+    for name, setting in chosen.items():
         if setting is None:
             caches[name], bits[name] = DenseKV(), 16.0
             continue
@@ -125,8 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"item {n}/{len(items)} answer {item.answer}: {answers}", flush=True)
         payload["rows"] = summary(payload["items"], list(caches), bits)
         payload["complete"] = n == len(items)
-        write_result("pq_real_generate_retrieval", payload)  # after every item: a stopped run keeps them
-    plot(payload)
+        write_result(args.name, payload)  # after every item: a stopped run keeps them
+    plot(payload, args.name)
     return payload
 
 
@@ -154,7 +161,7 @@ def summary(items: list[dict], names: list[str], bits: dict[str, float]) -> list
     return rows
 
 
-def plot(payload: dict) -> None:
+def plot(payload: dict, name: str) -> None:
     """Exact match per cache through generate, beside the harness's on the same items."""
     rows = payload["rows"]
     fig, ax = subplots(figsize=(10, 3))
@@ -168,7 +175,7 @@ def plot(payload: dict) -> None:
     )
     short = lambda name: name.replace(
         "pq ds1 layer weighted sink4 R128 4-bit cal8K", "PQ ds1 4-bit, sinks, R128"
-    )
+    ).replace(" span8+2", "")
     ax.set_yticks(y, [f"{short(r['name'])} ({r['bits_per_element']:.2f} bits)" for r in rows], fontsize=7)
     ax.set_xlim(0, 1)
     ax.set_xlabel("exact match")
@@ -177,7 +184,7 @@ def plot(payload: dict) -> None:
     )
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    save_plot(fig, plot_path("pq_real_generate_retrieval"), dpi=120)
+    save_plot(fig, plot_path(name), dpi=120)
 
 
 if __name__ == "__main__":
