@@ -117,3 +117,30 @@ def test_generate_retrieval_summary_pairs_with_dense_and_the_harness():
     assert (pq["right"], pq["right_where_dense_wrong"], pq["wrong_where_dense_right"]) == (2, 1, 1)
     assert (pq["harness_items"], pq["harness_right"], pq["same_answer_as_harness"]) == (2, 0, 1)
     assert pq["interval_95"][0] < 2 / 3 < pq["interval_95"][1]
+
+
+def test_4bit_retrieval_rows_pair_with_dense_by_seed():
+    from bench.pq_real_retrieval_4bit import paired_rows
+
+    dense = [
+        {"seed": s, "answer": a, "answers": {"dense": d}}
+        for s, a, d in ((1, "1234", "1234"), (2, "5678", "5.\n"), (3, "0000", "0000"))
+    ]
+    run = {
+        "settings": [{"name": "pq", "bits_per_element": 4.6}],
+        "items": [  # item 3 unanswered; a seed dense has not is left out
+            {"seed": 1, "answer": "1234", "answers": {"pq": "123."}},
+            {"seed": 2, "answer": "5678", "answers": {"pq": " 5678"}},
+            {"seed": 9, "answer": "9999", "answers": {"pq": "9999"}},
+        ],
+    }
+    rows = paired_rows(dense, [("pq", "PQ", [run])])
+    assert (rows[0]["right"], rows[0]["samples"]) == (2, 3)
+    got = rows[1]
+    assert (got["right"], got["samples"], got["bits_per_element"]) == (1, 2, 4.6)
+    assert (got["right_where_dense_wrong"], got["wrong_where_dense_right"]) == (1, 1)
+    run["items"][0]["answer"] = "4321"  # another item under the same seed
+    with pytest.raises(ValueError, match="another answer"):
+        paired_rows(dense, [("pq", "PQ", [run])])
+    with pytest.raises(ValueError, match="0 items answered"):
+        paired_rows(dense, [("int4", "int4", [run])])
