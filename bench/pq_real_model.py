@@ -184,7 +184,7 @@ def retrieval_settings(context: int) -> list[Setting]:
     windows, the per-head rows of `per_head_settings`, ds 1 with packed 4-bit codes (4 bits per element)
     with and without those exact tokens and with the `OBSERVED_EXACT` tokens per layer and kv head that
     the prompt's last tokens attend to most also exact, ds 1 per layer and head with those exact tokens
-    (and the most observed ones), ds 1 per layer with 128 and 256 observed tokens scored over `SPAN`,
+    (and the most observed ones), ds 1 per layer with the most observed tokens scored over `SPAN`,
     and the int4 baseline with and without the recent window; the decoded tokens are exact in every
     cache."""
     packed = ("attention", SINKS, RECENT, 4, context)  # weighting, sinks, recent, bits, calib_window
@@ -204,9 +204,8 @@ def retrieval_settings(context: int) -> list[Setting]:
             pq(1, "layer_head", *packed, observed=n, observed_span=SYMMETRIC_SPAN)
             for n in (0, max(OBSERVED_EXACT))
         ),
-        *(  # observed tokens scored over the span that reaches the tokens after an attended one
-            pq(1, "layer", *packed, observed=n) for n in (128, 256)
-        ),
+        # observed tokens scored over the span that reaches the tokens after an attended one
+        pq(1, "layer", *packed, observed=max(OBSERVED_EXACT)),
         Setting("int4 g128", "int4"),
         Setting(f"int4 g128 R{RECENT}", "int4", recent=RECENT),
     ]
