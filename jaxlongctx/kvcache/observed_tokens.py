@@ -114,9 +114,9 @@ def pinned_prompt_tokens(
     The first `sinks` real tokens of each row (attention sinks) and, with `keep`, the `keep` tokens per
     layer and kv head that the observed queries `q_observed [L, B, W, H, hd]` (the row's last W tokens,
     `ObservingPrefill`) weight most among the others before them (each scored over its `span`,
-    `observed_exact_mask`), over keys `k [L, B, S, K, hd]`. The
-    last `exact_tail [B]` real tokens (exact anyway, in the recent window) are never chosen, so every
-    layer and kv head of a row pins as many tokens.
+    `observed_exact_mask`), over keys `k [L, B, S, K, hd]`. The last `exact_tail [B]` real tokens
+    (exact anyway, in the recent window) are never chosen, so every layer and kv head of a row pins as
+    many tokens.
     """
     position = real_positions(mask)  # [B, S]
     sink = mask & (position < sinks)
