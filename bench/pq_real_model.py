@@ -204,8 +204,11 @@ def retrieval_settings(context: int) -> list[Setting]:
             pq(1, "layer_head", *packed, observed=n, observed_span=SYMMETRIC_SPAN)
             for n in (0, max(OBSERVED_EXACT))
         ),
-        # observed tokens scored over the span that reaches the tokens after an attended one
+        # observed tokens scored over the span that reaches the tokens after an attended one, with each
+        # 4-bit codebook kind: ds 1 per layer, ds 1 per layer and head, ds 2 8-bit per layer
         pq(1, "layer", *packed, observed=max(OBSERVED_EXACT)),
+        pq(1, "layer_head", *packed, observed=max(OBSERVED_EXACT)),
+        pq(2, "layer", "attention", SINKS, RECENT, calib_window=context, observed=max(OBSERVED_EXACT)),
         Setting("int4 g128", "int4"),
         Setting(f"int4 g128 R{RECENT}", "int4", recent=RECENT),
     ]

@@ -4,9 +4,9 @@ The retrieval runs of `bench.pq_real_model --part retrieval` for single settings
 from 1,024 calibration vectors a centroid) have no dense row of their own; their items are the held-out
 seeds of the full run (`pq_real_retrieval_8k_number.json`), whose dense answers they are paired with
 here, item by item (seed and true answer must agree). The per-layer ds 2 row and int4 come from that
-run itself (ds 2 codebooks from 64 vectors a centroid). Writes `bench/results/pq_real_retrieval_4bit.
-{json,png}`: per row, exact matches with a 95% interval, bits per element, and the items it gets that
-dense misses and misses that dense gets.
+run itself (ds 2 codebooks from 64 vectors a centroid; the later ds 2 rows, from every calibration
+vector). Writes `bench/results/pq_real_retrieval_4bit.{json,png}`: per row, exact matches with a 95%
+interval, bits per element, and the items it gets that dense misses and misses that dense gets.
 
     python -m bench.pq_real_retrieval_4bit
 """
@@ -25,6 +25,7 @@ from jaxlongctx.train.evaluate import exact_match_interval
 DENSE_FILE = "pq_real_retrieval_8k_number.json"
 OBSERVED_0_29 = "pq_real_retrieval_ppc1024_shard0of1_onlya03957f7.json"
 FROM_30 = "pq_real_retrieval_ppc1024_shard0of1_from30_onlyfa6467bd.json"
+OTHER_KINDS = "pq_real_retrieval_ppc1024_shard0of1_only419b8d2d.json"  # per head, ds 2: 256 observed
 ROWS = (  # (row, label, the runs that answered it); ds 1 codebooks from 1,024 vectors a centroid
     ("int4 g128 R128", "int4 g128, R128", (DENSE_FILE,)),
     ("pq ds2 layer weighted sink4 R128 cal8K", "ds2 8-bit, layer, weighted, sinks+R128", (DENSE_FILE,)),
@@ -52,6 +53,21 @@ ROWS = (  # (row, label, the runs that answered it); ds 1 codebooks from 1,024 v
         "pq ds1 layer weighted sink4 R128 4-bit cal8K obs256 span8+2",
         "+ 256 observed, span 8 before, 2 after",
         ("pq_real_retrieval_ppc1024_shard0of1_only429ecaf2.json",),
+    ),
+    (
+        "pq ds1 layer_head weighted sink4 R128 4-bit cal8K obs256 span8+2",
+        "layer+head + 256 observed, span 8+2",
+        (OTHER_KINDS,),
+    ),
+    (  # the ds 2 codebooks of the two rows below: 1,024 vectors a centroid (every calibration vector)
+        "pq ds2 layer weighted sink4 R128 cal8K",
+        "ds2 8-bit, layer, weighted, sinks+R128, all vectors",
+        (OTHER_KINDS,),
+    ),
+    (
+        "pq ds2 layer weighted sink4 R128 cal8K obs256 span8+2",
+        "ds2 8-bit, layer + 256 observed, span 8+2",
+        (OTHER_KINDS,),
     ),
 )
 
@@ -103,7 +119,7 @@ def _row(name: str, label: str, bits: float | None, hits: list[bool], dense: lis
 def plot(payload: dict, name: str) -> None:
     """Exact match per row with its 95% interval, dense's rate and the 3-point goal band marked."""
     rows = payload["rows"]
-    fig, ax = subplots(figsize=(10, 3.6))
+    fig, ax = subplots(figsize=(10, 1.0 + 0.28 * len(rows)))
     y = np.arange(len(rows))[::-1]
     rate = np.array([r["right"] / r["samples"] for r in rows])
     low, high = (np.array([r["interval_95"][i] for r in rows]) for i in (0, 1))
@@ -131,7 +147,7 @@ def main(results: Path = RESULTS_DIR, name: str = "pq_real_retrieval_4bit") -> d
     payload = {
         "protocol": "8K chat retrieval items (noun 'secret number'), every row paired by seed with the dense "
         f"answers of {DENSE_FILE}",
-        "runs": {name: list(files) for name, _, files in ROWS},
+        "runs": {label: list(files) for _, label, files in ROWS},
         "rows": paired_rows(dense, [(n, label, [load(f) for f in files]) for n, label, files in ROWS]),
     }
     write_result(name, payload)
