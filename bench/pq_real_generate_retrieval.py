@@ -8,8 +8,9 @@ prompt and answer prefix prefilled together, four digits decoded greedily, again
 caches: ds 1 4-bit per-layer attention-weighted codebooks from 8K calibration windows (the +1.4%
 perplexity setting), with the first 4 tokens pinned and the prompt's tail exact, and the same with
 256 tokens per layer and kv head that the prompt's last tokens attend to most also pinned (each scored
-over the cache's span, `observed_tokens.SPAN`). Each answer is also paired with the harness's answer
-for the same item where a harness result file has it.
+over the cache's span, `observed_tokens.SPAN`); with those tokens, ds 1 4-bit codebooks per layer and
+kv head, and ds 2 8-bit per layer (`--only` picks caches). Each answer is also paired with the
+harness's answer for the same item where a harness result file has it.
 
     python -m bench.pq_real_generate_retrieval [--samples 30] [--codebooks-dir D] [--points-per-centroid 1024]
         [--only NAME ...] [--name RESULT]
@@ -26,7 +27,16 @@ from typing import Any
 import numpy as np
 
 from bench.common import RESULTS_DIR, plot_path, save_plot, subplots, use_quick_results, write_result
-from bench.pq_real_model import RECENT, SINKS, CodebookStore, bits_per_element, load_now, pq
+from bench.pq_real_model import (
+    RECENT,
+    SINKS,
+    SYMMETRIC_SPAN,
+    CodebookStore,
+    bits_per_element,
+    load_now,
+    pq,
+    retrieval_settings,
+)
 from jaxlongctx.train.evaluate import exact_match_interval
 
 OBSERVED = 256
@@ -37,7 +47,11 @@ def settings(context: int) -> dict[str, Any]:
     """Name -> the `bench.pq_real_model` setting of each PQ cache (None: dense)."""
     base = pq(1, "layer", "attention", SINKS, RECENT, bits=4, calib_window=context)
     observed = pq(1, "layer", "attention", SINKS, RECENT, bits=4, calib_window=context, observed=OBSERVED)
-    return {"dense": None, base.name: base, observed.name: observed}
+    per_head = pq(
+        1, "layer_head", "attention", SINKS, RECENT, bits=4, calib_window=context, observed=OBSERVED
+    )
+    ds2 = pq(2, "layer", "attention", SINKS, RECENT, calib_window=context, observed=OBSERVED)  # 8-bit codes
+    return {"dense": None, **{s.name: s for s in (base, observed, per_head, ds2)}}
 
 
 def harness_answers(names: list[str]) -> dict[tuple[int, str, str], str]:
@@ -161,6 +175,15 @@ def summary(items: list[dict], names: list[str], bits: dict[str, float]) -> list
     return rows
 
 
+def label(name: str) -> str:
+    """A cache's name for a figure: 'PQ ds1 4-bit layer_head, sinks+R128, 256 observed'."""
+    s = {x.name: x for x in retrieval_settings(8192)}.get(name) or settings(8192).get(name)
+    if s is None or s.kind != "pq":
+        return name
+    observed = f", {s.observed} observed" + (" (symmetric span)" if s.observed_span == SYMMETRIC_SPAN else "")
+    return f"PQ ds{s.ds} {s.bits}-bit {s.granularity}, sinks+R{s.recent}" + (observed if s.observed else "")
+
+
 def plot(payload: dict, name: str) -> None:
     """Exact match per cache through generate, beside the harness's on the same items."""
     rows = payload["rows"]
@@ -173,18 +196,14 @@ def plot(payload: dict, name: str) -> None:
         0.4,
         label="evaluation harness (fake quantization)",
     )
-    short = lambda name: name.replace(
-        "pq ds1 layer weighted sink4 R128 4-bit cal8K", "PQ ds1 4-bit, sinks, R128"
-    ).replace(" span8+2", "")
-    ax.set_yticks(y, [f"{short(r['name'])} ({r['bits_per_element']:.2f} bits)" for r in rows], fontsize=7)
+    ax.set_yticks(y, [f"{label(r['name'])} ({r['bits_per_element']:.2f} bits)" for r in rows], fontsize=7)
     ax.set_xlim(0, 1)
     ax.set_xlabel("exact match")
     ax.set_title(
         f"SmolLM2-135M, {payload['context']:,}-token chat retrieval, {rows[0]['samples']} items", fontsize=10
     )
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    save_plot(fig, plot_path(name), dpi=120)
+    save_plot(fig, plot_path(name), dpi=120, rect=(0.03, 0, 1, 1))  # room for the longest label
 
 
 if __name__ == "__main__":
