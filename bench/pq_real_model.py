@@ -184,8 +184,8 @@ def retrieval_settings(context: int) -> list[Setting]:
     windows, the per-head rows of `per_head_settings`, ds 1 with packed 4-bit codes (4 bits per element)
     with and without those exact tokens and with the `OBSERVED_EXACT` tokens per layer and kv head that
     the prompt's last tokens attend to most also exact, ds 1 per layer and head with those exact tokens
-    (and the most observed ones), ds 1 per layer with the most observed tokens scored over `SPAN`,
-    and the int4 baseline with and without the recent window; the decoded tokens are exact in every
+    (and the most observed ones), ds 1 per layer (256 and 128 tokens), ds 1 per layer and head and ds 2
+    8-bit per layer with observed tokens scored over `SPAN`, and the int4 baseline with and without the recent window; the decoded tokens are exact in every
     cache."""
     packed = ("attention", SINKS, RECENT, 4, context)  # weighting, sinks, recent, bits, calib_window
     return [
@@ -207,6 +207,7 @@ def retrieval_settings(context: int) -> list[Setting]:
         # observed tokens scored over the span that reaches the tokens after an attended one, with each
         # 4-bit codebook kind: ds 1 per layer, ds 1 per layer and head, ds 2 8-bit per layer
         pq(1, "layer", *packed, observed=max(OBSERVED_EXACT)),
+        pq(1, "layer", *packed, observed=128),  # half the budget
         pq(1, "layer_head", *packed, observed=max(OBSERVED_EXACT)),
         pq(2, "layer", "attention", SINKS, RECENT, calib_window=context, observed=max(OBSERVED_EXACT)),
         Setting("int4 g128", "int4"),

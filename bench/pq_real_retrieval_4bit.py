@@ -55,6 +55,11 @@ ROWS = (  # (row, label, the runs that answered it); ds 1 codebooks from 1,024 v
         ("pq_real_retrieval_ppc1024_shard0of1_only429ecaf2.json",),
     ),
     (
+        "pq ds1 layer weighted sink4 R128 4-bit cal8K obs128 span8+2",
+        "+ 128 observed, span 8+2",
+        ("pq_real_retrieval_ppc1024_shard0of1_only6034c026.json",),
+    ),
+    (
         "pq ds1 layer_head weighted sink4 R128 4-bit cal8K obs256 span8+2",
         "layer+head + 256 observed, span 8+2",
         (OTHER_KINDS,),
