@@ -53,10 +53,29 @@ def _restore(ckpt: Path, dtype: jnp.dtype | None, mesh: Mesh | None) -> Llama:
     return load_module(ckpt, dtype, param_shardings(config, mesh))
 
 
-def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> Any:
+def _load_published(path: Path, dtype: jnp.dtype | None, mesh: Mesh | None, base_config: Any) -> Any:
+    """An `ARMTModel` from a directory in the ARMT authors' published format."""
+    from convert.armt_hf import read_published
+
+    model = read_published(path, None, base_config)
+    if dtype is not None and dtype != model.dtype:
+        model = model.astype(dtype)
+    if mesh is None:
+        return model
+    from jaxlongctx.armt import ARMTModel
+
+    with tempfile.TemporaryDirectory(prefix="jaxlongctx-convert-") as tmp:
+        sharded = ARMTModel.load(model.save(Path(tmp) / "ckpt"), mesh=mesh)
+    sharded.tokenizer = sharded.base.tokenizer = model.tokenizer
+    return sharded
+
+
+def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None, base_config: Any = None) -> Any:
     """Load a model from our checkpoint, a HF model directory or a GGUF file (converted on the fly);
     an ARMT checkpoint (written by `ARMTModel.save`) loads as an `ARMTModel`, with the segmentation
-    it was saved with.
+    it was saved with, and so does a directory in the ARMT authors' published format (config.json
+    `model_type "armt"`; `base_config`, a HF model directory or config dict, gives its base's config
+    when the directory neither holds it nor names a built-in base).
 
     `dtype` ('bf16' | 'fp32' | None = as stored) casts the parameters; `mesh` (see
     `jaxlongctx.parallel.make_mesh`) shards them, each process reading only its shards.
@@ -70,6 +89,11 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None) -> An
     if not path.is_dir():
         raise ValueError(f"{path}: no such model directory (or .gguf file)")
     meta = read_metadata(path) if declares_checkpoint(path) else {}  # ours: its errors, not the HF reader's
+    if not meta:
+        from convert.armt_hf import is_published_armt
+
+        if is_published_armt(path):
+            return _load_published(path, target, mesh, base_config)
     if "armt" in meta:
         from jaxlongctx.armt import ARMTModel
 

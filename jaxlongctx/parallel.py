@@ -116,7 +116,10 @@ def shard_model(model: Model, mesh: Mesh) -> Model:
 def memory_shardings(mesh: Mesh, pure: dict[str, Any]) -> dict[str, NamedSharding]:
     """`NamedSharding`s of ARMT memory parameters (a pure dict keyed by `MEMORY_PARAM_AXES` names) on the
     model's (fitted) mesh."""
-    return {name: NamedSharding(mesh, logical_spec(MEMORY_PARAM_AXES[name], mesh=mesh)) for name in pure}
+    axes = lambda name: (
+        MEMORY_PARAM_AXES[name] + (None,) * (len(pure[name].shape) - len(MEMORY_PARAM_AXES[name]))
+    )
+    return {name: NamedSharding(mesh, logical_spec(axes(name), mesh=mesh)) for name in pure}
 
 
 def shard_memory(memory: Any, mesh: Mesh) -> None:

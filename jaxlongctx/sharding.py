@@ -75,6 +75,7 @@ CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")  # DenseCache k/
 # the delta-rule write is local to them, and the read gathers the D columns once per layer.
 MEMORY_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "memory": (None, "embed"),
+    "sink": (None, "embed"),
     "wq": ("layers", "embed", None),
     "wk": ("layers", "embed", None),
     "wv": ("layers", "embed", "mem_value"),
@@ -82,7 +83,13 @@ MEMORY_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "bb": ("layers",),
 }
 
-MEMORY_STATE_AXES = {"A": ("layers", "batch", None, "mem_value"), "z": ("layers", "batch", None)}
+MEMORY_STATE_AXES = {
+    "A": ("layers", "batch", None, "mem_value"),
+    "z": ("layers", "batch", None),
+    "wk": ("layers", "batch", None, "kv_heads", None),  # sliding window [L, B, S, K, hd], like the KV cache
+    "wv": ("layers", "batch", None, "kv_heads", None),
+    "wn": ("layers", "batch"),
+}
 
 
 def tensor_size(mesh: Mesh) -> int:

@@ -148,7 +148,7 @@ def _abstract_armt(dtype):
     shape-only, and its abstract parameters, an empty pipeline for 2 rows and one segment."""
     from flax import nnx
 
-    from jaxlongctx.armt import ARMTConfig, ARMTModel
+    from jaxlongctx.armt import ARMTConfig, ARMTModel, MemoryState
     from jaxlongctx.armt.diagonal import Pipeline
     from jaxlongctx.armt.params import MemoryParams
     from jaxlongctx.armt.segments import Segments
@@ -177,8 +177,7 @@ def _abstract_armt(dtype):
         _sds((L, b, armt_cfg.rows, cfg.hidden_size), dtype),
         _sds((L, b), jnp.int32),
         _sds((L, b), jnp.bool_),
-        _sds((L, b, dk, cfg.hidden_size), jnp.float32),
-        _sds((L, b, dk), jnp.float32),
+        MemoryState(_sds((L, b, dk, cfg.hidden_size), jnp.float32), _sds((L, b, dk), jnp.float32)),
     )
     segs = Segments(
         _sds((1, b, armt_cfg.segment_size), jnp.int32), _sds((1, b), jnp.int32), _sds((1, b), jnp.bool_)
@@ -200,7 +199,7 @@ def test_grouped_diagonal_step_lowers(dtype):
 
     def loss(params, pipe, segs, block):
         out, logits = _run_block(model, block, CPUExecution(), pallas, params, pipe, segs)
-        return jnp.sum(logits) + jnp.sum(out.A)
+        return jnp.sum(logits) + jnp.sum(out.memory.A)
 
     for block in (full, ramp_down):
         step = lambda p, q, s, block=block: _run_block(model, block, CPUExecution(), pallas, p, q, s)

@@ -31,7 +31,7 @@ from jaxlongctx.armt.cpu_execution import CPUExecution, batch_cells
 from jaxlongctx.armt.memory import MemoryState, zero_state
 from jaxlongctx.armt.projections import DiagonalProjections, grouped_products, grouped_weights
 from jaxlongctx.armt.segments import Segments, chunk_sizes
-from jaxlongctx.armt.sequential import TRACES, remat_cell
+from jaxlongctx.armt.sequential import TRACES, remat_cell, sink_row, token_part
 from jaxlongctx.sharding import batch_sharding
 
 Step = tuple[int, int, bool]  # layers [a, b) run; whether a new segment enters slot 0 first
@@ -40,13 +40,13 @@ Block = tuple[str, Any]  # ("full", count) or ("steps", tuple[Step, ...])
 
 class Pipeline(NamedTuple):
     """In-flight segments per layer slot (h `[L, B, R, D]`, n `[L, B]`, first `[L, B]`) and the
-    per-layer memory state A `[L, B, dk, D]`, z `[L, B, dk]`."""
+    per-layer memory state (A, z and, with a sliding window, each layer's window: layer l's slot
+    holds what cell (s, l) needs from cell (s - 1, l))."""
 
     h: jnp.ndarray
     n: jnp.ndarray
     first: jnp.ndarray
-    A: jnp.ndarray
-    z: jnp.ndarray
+    memory: MemoryState
 
 
 def empty_pipeline(model: Any, state: MemoryState) -> Pipeline:
@@ -61,7 +61,7 @@ def empty_pipeline(model: Any, state: MemoryState) -> Pipeline:
     mesh = model.base.mesh
     if mesh is not None:  # segment rows split like the memory state's rows
         h, n, first = (jax.device_put(x, batch_sharding(mesh, x.shape, axis=1)) for x in (h, n, first))
-    return Pipeline(h, n, first, state.A, state.z)
+    return Pipeline(h, n, first, state)
 
 
 def plan(
@@ -111,6 +111,7 @@ def _step(
     layer_state: Any,
     memory_weights: Any,
     memory_tokens: jnp.ndarray,
+    sink: jnp.ndarray | None,
     base: Any,
     pipe: Pipeline,
     a: int,
@@ -120,15 +121,17 @@ def _step(
     """One diagonal: layers `[a, b)` as one grouped or vmapped cell call; returns the pipeline and the
     logits `[B, S, V]` of the segment leaving the last layer (None if none leaves)."""
     armt, L = model.armt, model.config.num_layers
-    h, n, first, A, z = pipe
+    h, n, first, mem = pipe
     if seg is not None:
         ids, seg_n, seg_first = seg
-        h = h.at[0].set(embed_segment(base, memory_tokens, ids))
+        h = h.at[0].set(embed_segment(base, memory_tokens, ids, sink))
         n, first = n.at[0].set(seg_n), first.at[0].set(seg_first)
+    window = lambda x: x[a:b]
+    active = jax.tree.map(window, mem)  # the active layers' memory state
 
     @functools.partial(remat_cell, model)
-    def one(ls, mw, hh, aa, zz, nn, ff):
-        return cell(armt, model.inv_freq, nnx.merge(graphdef, ls), mw, hh, aa, zz, nn, ff)
+    def one(ls, mw, hh, mm, nn, ff):
+        return cell(armt, model.inv_freq, nnx.merge(graphdef, ls), mw, hh, mm, nn, ff)
 
     def layer_cell(xs):  # one layer's cell, its weights read in place from the stacked ones
         layer, *rest = xs
@@ -141,30 +144,28 @@ def _step(
     if projections.resolve(model.base.mesh is not None) == "grouped_matmul":
         layer, mem_weights = grouped_weights(graphdef, layer_state, memory_weights, a, b)
         dense, proj = grouped_products(a, b - a, projections.kernel)
-        out, a2, z2 = cell(
-            armt, model.inv_freq, layer, mem_weights, h[a:b], A[a:b], z[a:b], n[a:b], first[a:b], dense, proj
+        out, new = cell(
+            armt, model.inv_freq, layer, mem_weights, h[a:b], active, n[a:b], first[a:b], dense, proj
         )
     elif batch_cells(
         cpu, b - a, L, h.shape[1], armt.rows
     ):  # [a, b) is a static window of the stacked weights
-        window = lambda x: x[a:b]
-        out, a2, z2 = jax.vmap(one)(
+        out, new = jax.vmap(one)(
             jax.tree.map(window, layer_state),
             jax.tree.map(window, memory_weights),
             h[a:b],
-            A[a:b],
-            z[a:b],
+            active,
             n[a:b],
             first[a:b],
         )
     else:
-        out, a2, z2 = jax.lax.map(layer_cell, (jnp.arange(a, b), h[a:b], A[a:b], z[a:b], n[a:b], first[a:b]))
-    A, z = A.at[a:b].set(a2), z.at[a:b].set(z2)
+        out, new = jax.lax.map(layer_cell, (jnp.arange(a, b), h[a:b], active, n[a:b], first[a:b]))
+    mem = jax.tree.map(lambda x, y: x.at[a:b].set(y), mem, new)
     hi = min(b + 1, L)
     h = h.at[a + 1 : hi].set(out[: hi - a - 1])
     n, first = n.at[a + 1 : hi].set(n[a : hi - 1]), first.at[a + 1 : hi].set(first[a : hi - 1])
-    logits = base.head(out[-1][:, : armt.segment_size]) if b == L else None
-    return Pipeline(h, n, first, A, z), logits
+    logits = base.head(token_part(armt, out[-1])) if b == L else None
+    return Pipeline(h, n, first, mem), logits
 
 
 def _run_block(
@@ -180,7 +181,17 @@ def _run_block(
     base, memory_params = model.merge(params)
     graphdef, layer_state = nnx.split(base.layers)
     memory_weights, memory_tokens = memory_params.layers(), memory_params.memory[...]
-    args = (model, cpu, projections, graphdef, layer_state, memory_weights, memory_tokens, base)
+    args = (
+        model,
+        cpu,
+        projections,
+        graphdef,
+        layer_state,
+        memory_weights,
+        memory_tokens,
+        sink_row(memory_params),
+        base,
+    )
     L = model.config.num_layers
     if block[0] == "full":
         return jax.lax.scan(lambda p, seg: _step(*args, p, 0, L, seg), pipe, tuple(segs))
@@ -223,7 +234,7 @@ def diagonal_forward(
     state = zero_state(model, segs.ids.shape[1]) if state is None else state
     blocks, _ = plan(None, segs.count, True, model.config.num_layers)
     pipe, outs = run_blocks(model, params, empty_pipeline(model, state), blocks, segs)
-    return MemoryState(pipe.A, pipe.z), jnp.concatenate(outs, axis=0)
+    return pipe.memory, jnp.concatenate(outs, axis=0)
 
 
 def computed_cells(blocks: list[Block], num_layers: int) -> int:

@@ -41,10 +41,10 @@ def _window_pass(model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, 
 
     def body(layer, h, xs):
         weights, a, z = xs
-        h = read(h, weights, a, z)
+        h = read(h, weights, a, z, model.armt)
         return layer(h, cos, sin, SlotAttention(slots, valid, collect_kv=True))
 
-    h, (k, v) = base.scan_layers(body, base.embed_ids(ids), (memory_params.layers(), *state))
+    h, (k, v) = base.scan_layers(body, base.embed_ids(ids), (memory_params.layers(), state.A, state.z))
     return base, h, k, v, valid
 
 
@@ -90,11 +90,11 @@ def _decode_step(
 
     def body(layer, h, xs):
         weights, a, z, ck, cv = xs  # one layer's memory weights, memory state and cache [B, K, 2S, hd]
-        h = read(h, weights, a, z)
+        h = read(h, weights, a, z, model.armt)
         return layer(h, cos, sin, SlotWriteDecode(ck, cv, hit, pos, key_valid))
 
     h, (ck, cv) = base.scan_layers(
-        body, base.embed_ids(tok[:, None]), (memory_params.layers(), *state, cache.k, cache.v)
+        body, base.embed_ids(tok[:, None]), (memory_params.layers(), state.A, state.z, cache.k, cache.v)
     )
     return tok, done, base.head(h)[:, 0], DenseCache(ck, cv, key_valid), window
 

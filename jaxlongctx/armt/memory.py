@@ -20,10 +20,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxlongctx.armt.config import NU
+from jaxlongctx.armt.config import EPS, NU, ARMTConfig
 from jaxlongctx.sharding import memory_state_shardings, reshard_like
-
-EPS = 1e-5  # the three literal eps sites of the reference (read, write and gamma denominators)
 
 
 class MemoryWeights(NamedTuple):
@@ -32,30 +30,45 @@ class MemoryWeights(NamedTuple):
     wq: jnp.ndarray  # D d_mem
     wk: jnp.ndarray  # D d_mem
     wv: jnp.ndarray  # D D
-    wb: jnp.ndarray  # D     (W_mb: d -> 1)
-    bb: jnp.ndarray  # ()    (its bias)
+    wb: jnp.ndarray  # D     (W_mb: d -> 1); D nb with several memory heads or gating (nb: H or D)
+    bb: jnp.ndarray  # ()    (its bias); nb
 
 
 class MemoryState(NamedTuple):
-    """The memory state (the associative memory of every layer): A `[L, B, d_key, D]`, z `[L, B, d_key]`
-    (state dtype)."""
+    """The memory state (the associative memory of every layer): A `[L, B, d_key, D / H]`, z
+    `[L, B, d_key]` (state dtype; `H` memory heads stacked along d_key) and, with a sliding window,
+    each layer's previous-segment token keys and values `wk, wv [L, B, S, K, hd]` (post-RoPE, model
+    dtype) and how many of them are real `wn [L, B]` (0: no window)."""
 
     A: jnp.ndarray
     z: jnp.ndarray
+    wk: jnp.ndarray | None = None
+    wv: jnp.ndarray | None = None
+    wn: jnp.ndarray | None = None
 
 
 def zero_state(model: Any, batch: int) -> MemoryState:
-    """All-zero memory state for `batch` rows."""
+    """All-zero memory state for `batch` rows (no window)."""
     cfg, armt = model.config, model.armt
+    L = cfg.num_layers
     state = MemoryState(
-        jnp.zeros((cfg.num_layers, batch, armt.d_key, cfg.hidden_size), armt.state_dtype),
-        jnp.zeros((cfg.num_layers, batch, armt.d_key), armt.state_dtype),
+        jnp.zeros((L, batch, armt.d_key, cfg.hidden_size // armt.mem_heads), armt.state_dtype),
+        jnp.zeros((L, batch, armt.d_key), armt.state_dtype),
     )
+    if armt.sliding_window:
+        window = (L, batch, armt.segment_size, cfg.num_kv_heads, cfg.head_dim)
+        state = state._replace(
+            wk=jnp.zeros(window, model.dtype),
+            wv=jnp.zeros(window, model.dtype),
+            wn=jnp.zeros((L, batch), jnp.int32),
+        )
     mesh = model.base.mesh
     if mesh is None:
         return state
     shardings = memory_state_shardings(mesh, batch)
-    return MemoryState(*(jax.device_put(x, shardings[name]) for name, x in state._asdict().items()))
+    return MemoryState(
+        *(None if x is None else jax.device_put(x, shardings[name]) for name, x in state._asdict().items())
+    )
 
 
 def project(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
@@ -74,15 +87,41 @@ def dpfp(x: jnp.ndarray) -> jnp.ndarray:
     return jnp.concatenate([xp] * NU, axis=-1) * rolled
 
 
+def features(x: jnp.ndarray, cfg: ARMTConfig) -> jnp.ndarray:
+    """Per-head DPFP features of projections `x [..., d_mem]` -> float32 `[..., H, f]` (f = 6 d_mem / H),
+    L2-normalised per head with `cfg.normalize_features` (`x / max(|x|, 1e-12)`)."""
+    phi = dpfp(x.reshape(*x.shape[:-1], cfg.mem_heads, cfg.d_mem // cfg.mem_heads))
+    if cfg.normalize_features:
+        phi = phi / jnp.maximum(jnp.linalg.norm(phi, axis=-1, keepdims=True), 1e-12)
+    return phi
+
+
+def _heads(A: jnp.ndarray, z: jnp.ndarray, heads: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """State `A [..., dk, c]`, `z [..., dk]` -> float32 per head `[..., H, f, c]`, `[..., H, f]`."""
+    A = A.astype(jnp.float32)
+    return A.reshape(*A.shape[:-2], heads, -1, A.shape[-1]), z.astype(jnp.float32).reshape(
+        *z.shape[:-1], heads, -1
+    )
+
+
 def read(
-    h: jnp.ndarray, weights: MemoryWeights, A: jnp.ndarray, z: jnp.ndarray, proj: Project = project
+    h: jnp.ndarray,
+    weights: MemoryWeights,
+    A: jnp.ndarray,
+    z: jnp.ndarray,
+    cfg: ARMTConfig,
+    proj: Project = project,
 ) -> jnp.ndarray:
-    """`h + phi(h W_mq) A / (phi(h W_mq) . z + eps)` for every row: h `[B, T, D]` -> `[B, T, D]`."""
-    q = dpfp(proj(h, weights.wq))  # B T dk
-    num = jnp.einsum("...tk,...kd->...td", q, A.astype(jnp.float32))
-    den = jnp.einsum("...tk,...k->...t", q, z.astype(jnp.float32)) + EPS
+    """`h + concat_heads phi(h W_mq) A / (phi(h W_mq) . z + eps)` for every row (no division without
+    `use_denom`): h `[B, T, D]` -> `[B, T, D]`."""
+    q = features(proj(h, weights.wq), cfg)  # B T H f
+    a, zz = _heads(A, z, cfg.mem_heads)
+    num = jnp.einsum("...thf,...hfc->...thc", q, a)
+    if cfg.use_denom:
+        num = num / (jnp.einsum("...thf,...hf->...th", q, zz) + EPS)[..., None]
+    num = num.reshape(*num.shape[:-2], -1)  # B T D
     num = reshard_like(num, h)  # on a mesh: gather A's value columns (split over tp) once per layer
-    return (h.astype(jnp.float32) + num / den[..., None]).astype(h.dtype)
+    return (h.astype(jnp.float32) + num).astype(h.dtype)
 
 
 def write(
@@ -91,21 +130,36 @@ def write(
     A: jnp.ndarray,
     z: jnp.ndarray,
     first: jnp.ndarray,
+    cfg: ARMTConfig,
     proj: Project = project,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Update `A [B, dk, D]`, `z [B, dk]` from the layer output at the memory-token rows `m [B, M, D]`;
+    """Update `A [B, dk, c]`, `z [B, dk]` from the layer output at the memory-token rows `m [B, M, D]`;
     rows with `first [B]` use the first-segment rule (vbar = 0, gamma = 1)."""
-    k = dpfp(proj(m, weights.wk))  # B M dk
+    H = cfg.mem_heads
+    k = features(proj(m, weights.wk), cfg)  # B M H f
     v = proj(m, weights.wv)  # B M D
-    logit = proj(m, weights.wb[..., None])[..., 0]  # B M
-    bias = weights.bb.astype(jnp.float32)  # () per layer, [G] on a grouped step
-    beta = jax.nn.sigmoid(logit + bias.reshape(*bias.shape, *(1,) * (logit.ndim - bias.ndim)))  # B M
-    a32, z32 = A.astype(jnp.float32), z.astype(jnp.float32)
-    den = jnp.einsum("...mk,...k->...m", k, z32) + EPS
-    vbar = jnp.einsum("...mk,...kd->...md", k, a32) / den[..., None]
-    gamma = jax.lax.stop_gradient(jnp.clip(1.0 - den / (jnp.sum(k * k, axis=-1) + EPS), 0.0, 1.0))
-    vbar = jnp.where(first[..., None, None], 0.0, vbar)
-    gamma = jnp.where(first[..., None], 1.0, gamma)
-    a32 = a32 + jnp.einsum("...m,...mk,...md->...kd", beta, k, v - vbar)
-    z32 = z32 + jnp.einsum("...m,...mk->...k", gamma, k)
-    return a32.astype(A.dtype), z32.astype(z.dtype)
+    v = v.reshape(*v.shape[:-1], H, -1)  # B M H c
+    one_beta = cfg.beta_width(m.shape[-1]) == 1  # W_mb [.., D] and b_mb [..] (spec/armt.md)
+    logit = proj(m, weights.wb[..., None] if one_beta else weights.wb)  # B M nb (nb: 1, H or D)
+    bias = weights.bb.astype(jnp.float32)  # [nb] per layer, [G, nb] on a grouped step
+    bias = bias[..., None] if one_beta else bias
+    bias = bias.reshape(*bias.shape[:-1], *(1,) * (logit.ndim - bias.ndim), bias.shape[-1])
+    beta = jax.nn.sigmoid(logit + bias)  # B M nb
+    beta = beta.reshape(*beta.shape[:-1], H, -1)  # B M H (1 or c)
+    a32, z32 = _heads(A, z, H)
+    if cfg.use_denom:
+        den = jnp.einsum("...mhf,...hf->...mh", k, z32) + EPS
+        vbar = jnp.einsum("...mhf,...hfc->...mhc", k, a32) / den[..., None]
+        if cfg.correction:
+            norm2 = jnp.sum(k * k, axis=-1) + cfg.gamma_eps
+            gamma = jax.lax.stop_gradient(jnp.clip(1.0 - den / norm2, 0.0, 1.0))
+        else:
+            gamma = jnp.ones_like(den)
+        gamma = jnp.where(first[..., None, None], 1.0, gamma)
+    else:
+        vbar = jnp.einsum("...mhf,...hfc->...mhc", k, a32)
+    vbar = jnp.where(first[..., None, None, None], 0.0, vbar)
+    a32 = a32 + jnp.einsum("...mhf,...mhc->...hfc", k, beta * (v - vbar))
+    if cfg.use_denom:
+        z32 = z32 + jnp.einsum("...mh,...mhf->...hf", gamma, k)
+    return a32.reshape(A.shape).astype(A.dtype), z32.reshape(z.shape).astype(z.dtype)

@@ -23,6 +23,7 @@ from jaxlongctx.armt.diagonal import diagonal_forward
 from jaxlongctx.armt.generation import generate_ids, generation_logits
 from jaxlongctx.armt.memory import MemoryState
 from jaxlongctx.armt.memory_checkpoint import restore_memory, write_memory
+from jaxlongctx.armt.open_segment import generate_open_segment, uses_open_segment
 from jaxlongctx.armt.params import MemoryParams
 from jaxlongctx.armt.projections import DiagonalProjections, as_projections
 from jaxlongctx.armt.segments import Segments, compact, grid_starts, segment, segment_at, token_rows
@@ -278,19 +279,29 @@ class ARMTModel(OwnMemoryModel):
             )
         if stream is not None:
             raise ValueError("stream= is not supported for ARMT models; generate and decode the ids instead")
+        if uses_open_segment(self):
+            return generate_open_segment(self, ids, params, cache, **options)
         return generate_ids(self, ids, params, cache, **options)
 
     def generation_logits(self, ids: Any, prompt_length: int, schedule: str = "diagonal") -> jnp.ndarray:
         """Logits `[B, T, V]` of ids `[B, T]` as decoding after their first `prompt_length` tokens
-        computes them (the prompt's last segment stays open; see `jaxlongctx.armt.generation`)."""
+        computes them (the prompt's last segment stays open; see `jaxlongctx.armt.generation`). With the
+        published cell (`jaxlongctx.armt.open_segment`) those are the forward's logits."""
+        if uses_open_segment(self):
+            return self(ids, schedule=schedule)
         return generation_logits(self, ids, prompt_length, schedule)
 
     # --- memory accounting ----------------------------------------------------------------------
     def state_bytes(self, batch: int = 1) -> int:
-        """Bytes of the recurrent state: the memory state (A and z of every layer) plus the memory tokens."""
-        L, d, dk = self.config.num_layers, self.config.hidden_size, self.armt.d_key
-        item = self.armt.state_dtype.itemsize
-        return batch * L * dk * (d + 1) * item + self.memory.memory[...].nbytes
+        """Bytes of the recurrent state: the memory state (A and z of every layer and, with a sliding
+        window, every layer's previous-segment token keys and values) plus the memory tokens (and sink)."""
+        cfg, armt = self.config, self.armt
+        L, c, dk = cfg.num_layers, cfg.hidden_size // armt.mem_heads, armt.d_key
+        per_row = L * dk * (c + 1) * armt.state_dtype.itemsize
+        if armt.sliding_window:
+            per_row += 2 * L * armt.segment_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        rows = self.memory.memory[...].nbytes + (self.memory.sink[...].nbytes if armt.sink else 0)
+        return batch * per_row + rows
 
     def full_attention_kv_bytes(self, num_tokens: int, batch: int = 1) -> int:
         """Bytes of the bf16 dense KV cache a full-attention model needs for `num_tokens` tokens."""
@@ -305,13 +316,15 @@ class ARMTModel(OwnMemoryModel):
         base_reference: BaseReference | None = None,
         base_adapter: dict[str, dict[str, np.ndarray]] | None = None,
         training_record: dict[str, Any] | None = None,
+        extra_files: dict[str, str] | None = None,
     ) -> Path:
         """Save the memory parameters, the ARMT config and the segmentation (loading restores it)
         atomically, with the base weights (our checkpoint layout, loadable as a plain model) and the
         tokenizer (if any); or, given `base_reference` (the base this model's weights are, see
         `jaxlongctx.armt.base_reference`), a memory-only checkpoint that names its base instead, with
         `base_adapter` (see `jaxlongctx.armt.base_adapter`) when this model's base is that base changed.
-        `training_record` (how the model was trained) goes to training.json."""
+        `training_record` (how the model was trained) goes to training.json; `extra_files` (name -> text)
+        are written beside."""
         if base_adapter is not None and base_reference is None:
             raise ValueError("a base adapter changes a referenced base: pass base_reference too")
         extra: dict[str, Any] = {
@@ -327,6 +340,8 @@ class ARMTModel(OwnMemoryModel):
                 write_adapter(tmp, base_adapter)
             if training_record is not None:
                 (tmp / TRAINING_RECORD).write_text(json.dumps(training_record, indent=2) + "\n")
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
             if base_reference is not None:
                 write_metadata(
                     tmp, self.config, extra["memory_dtype"], {**extra, "base": base_reference.to_dict()}

@@ -11,9 +11,11 @@ from jaxlongctx.armt.memory import MemoryWeights
 
 
 class MemoryParams(nnx.Module):
-    """The memory tokens `memory [M, D]` (attribute name kept: it is the checkpoint key) and the memory
-    weights of every layer, `W_mq, W_mk [L, D, d_mem]`, `W_mv [L, D, D]`, `W_mb [L, D]`, `b_mb [L]`, with
-    the reference initialisation (W_mv zeros, so the memory state A stays 0)."""
+    """The memory tokens `memory [M, D]` (attribute name kept: it is the checkpoint key), the sink row
+    `sink [1, D]` (with `armt.sink`) and the memory weights of every layer, `W_mq, W_mk [L, D, d_mem]`,
+    `W_mv [L, D, D]`, `W_mb [L, D]`, `b_mb [L]` (`[L, D, nb]`, `[L, nb]` with several memory heads or
+    gating, see `ARMTConfig.beta_width`), with the reference initialisation (W_mv zeros, so the memory
+    state A stays 0; the sink N(0, 1))."""
 
     def __init__(
         self,
@@ -37,8 +39,13 @@ class MemoryParams(nnx.Module):
         self.wq = uniform(kq, (num_layers, hidden, armt.d_mem))
         self.wk = uniform(kk, (num_layers, hidden, armt.d_mem))
         self.wv = nnx.Param(jnp.zeros((num_layers, hidden, hidden), dtype))
-        self.wb = uniform(kb, (num_layers, hidden))
-        self.bb = uniform(kbb, (num_layers,))
+        nb = armt.beta_width(hidden)
+        self.wb = uniform(kb, (num_layers, hidden) if nb == 1 else (num_layers, hidden, nb))
+        self.bb = uniform(kbb, (num_layers,) if nb == 1 else (num_layers, nb))
+        if armt.sink:
+            self.sink = nnx.Param(
+                jax.random.normal(jax.random.fold_in(key, 1), (1, hidden), jnp.float32).astype(dtype)
+            )
 
     def layers(self) -> MemoryWeights:
         """The memory weights of every layer as a pytree of `[L, ...]` arrays."""

@@ -30,14 +30,23 @@ def segment_through_layers(
     base, memory_params = model.merge(params)
 
     def body(layer, h, xs):
-        weights, a, z = xs
-        one = lambda h, a, z: cell(model.armt, model.inv_freq, layer, weights, h, a, z, n, first)
-        h, a, z = remat_cell(model, one)(h, a, z)
-        return h, (a, z)
+        weights, mem = xs
+        one = lambda h, mem: cell(model.armt, model.inv_freq, layer, weights, h, mem, n, first)
+        return remat_cell(model, one)(h, mem)
 
-    h0 = embed_segment(base, memory_params.memory[...], ids)
-    h, (A, z) = base.scan_layers(body, h0, (memory_params.layers(), *state))
-    return MemoryState(A, z), base.head(h[:, : model.armt.segment_size])
+    h0 = embed_segment(base, memory_params.memory[...], ids, sink_row(memory_params))
+    h, state = base.scan_layers(body, h0, (memory_params.layers(), state))
+    return state, base.head(token_part(model.armt, h))
+
+
+def sink_row(memory_params: Any) -> jnp.ndarray | None:
+    """The sink row `[1, D]` of memory parameters that have one, else None."""
+    return memory_params.sink[...] if hasattr(memory_params, "sink") else None
+
+
+def token_part(cfg: Any, h: jnp.ndarray) -> jnp.ndarray:
+    """The token rows `[..., S, D]` of segment buffers `h [..., R, D]`."""
+    return h[..., cfg.lead : cfg.mem_start, :]
 
 
 def _run_chunk(

@@ -49,7 +49,7 @@ class ARMTState:
 
     def current_memory(self) -> MemoryState:
         """The memory state after every segment that has left the model."""
-        return self.memory if self.pipe is None else MemoryState(self.pipe.A, self.pipe.z)
+        return self.memory if self.pipe is None else self.pipe.memory
 
 
 def init_state(model: Any, batch: int, schedule: str) -> ARMTState:

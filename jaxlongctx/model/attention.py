@@ -27,16 +27,25 @@ def attention(
     layout), q_slot `[B, T]` int, key_valid `[B, S]` bool -> `[B, T, H, hd]`.
     Scores, softmax and the weighted sum accumulate in float32.
     """
+    num_slots = k.shape[2] if heads_major else k.shape[1]
+    slots = jnp.arange(num_slots)
+    visible = key_valid[:, None, :] & (slots[None, None, :] <= q_slot[:, :, None])  # B T S
+    return masked_attention(q, k, v, visible, heads_major=heads_major)
+
+
+def masked_attention(
+    q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, visible: jnp.ndarray, *, heads_major: bool = False
+) -> jnp.ndarray:
+    """GQA attention where query t sees key slot s iff `visible[b, t, s]` (q `[B, T, H, hd]`, k/v
+    `[B, S, K, hd]` or `[B, K, S, hd]` with `heads_major`, visible `[B, T, S]` bool) -> `[B, T, H, hd]`."""
     b, t, h, hd = q.shape
-    kv, num_slots = (k.shape[1], k.shape[2]) if heads_major else (k.shape[2], k.shape[1])
+    kv = k.shape[1] if heads_major else k.shape[2]
     keys = "bksd" if heads_major else "bskd"
     qg = q.reshape(b, t, kv, h // kv, hd)  # B T K G hd
     # scores in the dot's natural output order [B, K, T, G, S]: any other order costs a transpose of
     # every score (measured 1.8x slower prefill attention on CPU)
     scores = jnp.einsum(f"btkgd,{keys}->bktgs", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (hd**-0.5)
-    slots = jnp.arange(num_slots)
-    visible = key_valid[:, None, :] & (slots[None, None, :] <= q_slot[:, :, None])  # B T S
     scores = jnp.where(visible[:, None, :, None], scores, _MASKED)
     # softmax with the normalisation applied to the [.., hd] output instead of every score: one pass
     # over the scores fewer

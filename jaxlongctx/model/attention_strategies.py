@@ -8,6 +8,8 @@ a strategy only adapts them to the layer.
 
 - `CausalPrefill`: causal attention among the tokens of the call (dense forward, perplexity, ARMT
   segments), optionally collecting K/V to fill a cache.
+- `WindowedSegment`: an ARMT segment over its own rows and a previous window, with an explicit mask
+  (the published ARMT cell).
 - `SlotAttention`: queries at given slots over the call's own keys (ARMT's decoding window).
 - `CachedDecode`: one new token over a static dense cache plus its own K/V (dense decode).
 - `SlotWriteDecode`: new tokens written into their rows' cache slots, then attention over the cache
@@ -33,6 +35,7 @@ from jaxlongctx.model.attention import (
     attention,
     causal_prefill_attention,
     decode_attention,
+    masked_attention,
 )
 from jaxlongctx.model.layers import Attend
 from jaxlongctx.sharding import sharded_pq_decode_attention
@@ -66,6 +69,27 @@ class CausalPrefill:
             )
             out = out.reshape(*lead, *out.shape[1:])
         return out, ((k, v) if self.collect_kv else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowedSegment:
+    """Attention of a segment's rows over `[window keys; its own keys]` where query t sees key s iff
+    `visible[..., t, s]`: window_k/v `[..., B, W, K, hd]` (None: no window, W = 0), q `[..., B, T, H, hd]`,
+    k/v `[..., B, T, K, hd]`, visible `[..., B, T, W + T]`; leading axes before `B` are folded into the
+    batch. aux: the segment's own post-RoPE k/v."""
+
+    visible: jnp.ndarray
+    window_k: jnp.ndarray | None = None
+    window_v: jnp.ndarray | None = None
+
+    def __call__(self, q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray) -> tuple[jnp.ndarray, KVPair]:
+        keys, values = k, v
+        if self.window_k is not None:
+            keys = jnp.concatenate([self.window_k.astype(k.dtype), k], axis=-3)
+            values = jnp.concatenate([self.window_v.astype(v.dtype), v], axis=-3)
+        rows = lambda x, tail: x.reshape(-1, *x.shape[-tail:])
+        out = masked_attention(rows(q, 3), rows(keys, 3), rows(values, 3), rows(self.visible, 2))
+        return out.reshape(q.shape), (k, v)
 
 
 @dataclasses.dataclass(frozen=True)
