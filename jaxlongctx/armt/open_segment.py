@@ -98,10 +98,12 @@ def generate_open_segment(
     attention_mask: Any = None,
     progress: bool = False,
     timings: dict | None = None,
+    step_logits: list | None = None,
 ) -> np.ndarray:
     """Generate `sampling.max_new_tokens` after `ids [B, T]` (pads anywhere, per `attention_mask`; rows
     are compacted) as the reference does; returns ids `[B, T + new]`. The committed prompt segments run
-    through `memory.schedule`. `timings` receives `prefill_s`, `decode_s` and `decode_steps`."""
+    through `memory.schedule`. `timings` receives `prefill_s`, `decode_s` and `decode_steps`;
+    `step_logits` (a list) the logits `[B, V]` each new token is chosen from."""
     S = model.armt.segment_size
     req = Request.parse(model, ids, sampling, attention_mask)
     ids_c, lengths, _ = compact(req.ids, req.mask)
@@ -121,6 +123,10 @@ def generate_open_segment(
 
     def run(carry, logits, key, done, i):
         tok, done, logits, carry = step(params, *carry, logits, key, done)
+        if step_logits is not None:
+            step_logits.append(logits)
         return tok, done, logits, carry
 
+    if step_logits is not None:
+        step_logits.append(logits)
     return req.decode(logits, (state, written, *carry), run, progress=progress, timings=timings)
