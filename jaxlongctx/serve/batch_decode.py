@@ -1,0 +1,250 @@
+"""The device side of continuous batching: B decode slots over one batched cache, one jitted step that
+decodes every slot at once (per-slot positions and sampling), and a freshly prefilled request written
+into a free slot between steps.
+
+The caches and the model code are `jaxlongctx.generate`'s: the dense cache's prefill and
+`decode_hidden` (with one write slot per row), the PQ cache's `pq_prefill` and `pq_decode_hidden`
+(which keep per-row lengths already). A slot's row of the cache belongs to its request alone; rows
+of free slots are decoded too (the step has a fixed shape) and overwritten when the slot is taken.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlongctx.cache_choice import PQKV
+from jaxlongctx.decode_loop import bucket_length
+from jaxlongctx.generate import _prefill as dense_prefill
+from jaxlongctx.kvcache.dense import DenseCache
+from jaxlongctx.kvcache.pq_cache import PQCache
+from jaxlongctx.model.llama import decode_hidden
+from jaxlongctx.model.model import Model
+from jaxlongctx.pq_generate import place_codebooks, pq_decode_hidden, pq_prefill
+from jaxlongctx.serve.sampling import choose_per_slot
+from jaxlongctx.sharding import put_batch
+
+_WARMUP_WIDTH = 16  # prompt width of the prefill that allocates the batched cache
+
+
+@dataclass
+class SlotSampling:
+    """Per-slot sampling settings, host arrays `[B]`: temperature (0 = greedy), top_p (1 = off), the
+    raw keys of the seeds `[B, ...]` and each slot's step count (folded into its key)."""
+
+    temperature: np.ndarray
+    top_p: np.ndarray
+    key_data: np.ndarray
+    steps: np.ndarray
+
+    @classmethod
+    def empty(cls, batch: int, key_shape: tuple[int, ...]) -> SlotSampling:
+        return cls(
+            np.zeros(batch, np.float32),
+            np.ones(batch, np.float32),
+            np.zeros((batch, *key_shape), np.uint32),
+            np.zeros(batch, np.int32),
+        )
+
+    @property
+    def any_sampled(self) -> bool:
+        return bool((self.temperature > 0).any())
+
+
+def _padded(ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """One prompt right-padded to its compile bucket, as `jaxlongctx.generate` pads it: ids, mask `[1, W]`."""
+    width = bucket_length(len(ids))
+    padded, mask = np.zeros((1, width), np.int32), np.zeros((1, width), bool)
+    padded[0, : len(ids)], mask[0, : len(ids)] = ids, True
+    return padded, mask
+
+
+def _write_row(batched: Any, row: Any, axes: Any, b: jnp.ndarray) -> Any:
+    """Every leaf of `row` (batch 1) written into row `b` of the same leaf of `batched`, along its
+    batch axis (`axes`, a tree of ints like `batched`); a shorter leaf fills the leading slots."""
+    return jax.tree.map(
+        lambda buf, x, ax: jax.lax.dynamic_update_slice_in_dim(buf, x, b, ax), batched, row, axes
+    )
+
+
+class BatchDecoder(abc.ABC):
+    """B slots of one model's batched cache: `admit` prefills a prompt into a slot, `step` decodes
+    every slot once. Positions are the host's (`[B]`, the next token's position per slot)."""
+
+    def __init__(self, model: Model, batch: int, context: int):
+        self.model = model
+        self.batch = batch
+        self.context = context
+        self.weights = model.params  # gathered once: building the tree costs milliseconds per step
+        self.mesh = model.mesh
+        self._steps: dict[bool, Any] = {}
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        return put_batch(x, self.mesh)
+
+    @abc.abstractmethod
+    def admit(self, slot: int, ids: list[int]) -> None:
+        """Prefill prompt `ids` into `slot`; its first token is chosen by the next `step`."""
+
+    @abc.abstractmethod
+    def step(self, active: np.ndarray, positions: np.ndarray, sampling: SlotSampling) -> np.ndarray:
+        """Choose every slot's next token and run it through the model; returns the ids `[B]`."""
+
+    def cache_bytes(self) -> int:
+        """Bytes of the batched cache."""
+        return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(self.cache))
+
+
+class DenseBatchDecoder(BatchDecoder):
+    """Slots over a dense cache `[L, B, K, S, hd]`: a slot's prompt fills slots [0, n) of its row and
+    its decoded tokens follow, the token at position p in slot p."""
+
+    def __init__(self, model: Model, batch: int, context: int):
+        super().__init__(model, batch, context)
+        self.capacity = bucket_length(context)
+        self._prefills: dict[int, Any] = {}
+        ids, mask = np.zeros((batch, _WARMUP_WIDTH), np.int32), np.zeros((batch, _WARMUP_WIDTH), bool)
+        mask[:, 0] = True
+        fill = jax.jit(partial(dense_prefill, model, self.capacity))
+        self.logits, self.cache = fill(self.weights, self._put(ids), self._put(mask))  # [B, V], the cache
+        self._insert = jax.jit(self._insert_row, donate_argnums=(0, 1))
+
+    def _insert_row(self, cache: DenseCache, logits, row: DenseCache, row_logits, b):
+        key_valid = jnp.pad(row.key_valid, ((0, 0), (0, self.capacity - row.capacity)))  # clears the rest
+        row = DenseCache(row.k, row.v, key_valid)
+        return _write_row(cache, row, DenseCache(1, 1, 0), b), _write_row(logits, row_logits, 0, b)
+
+    def admit(self, slot: int, ids: list[int]) -> None:
+        padded, mask = _padded(ids)
+        width = padded.shape[1]
+        if width not in self._prefills:
+            self._prefills[width] = jax.jit(partial(dense_prefill, self.model, width))
+        row_logits, row = self._prefills[width](self.weights, self._put(padded), self._put(mask))
+        self.cache, self.logits = self._insert(self.cache, self.logits, row, row_logits, jnp.int32(slot))
+
+    def _step_fn(self, sampled: bool):
+        if sampled not in self._steps:
+            model, capacity = self.model, self.capacity
+
+            def step(
+                params, cache: DenseCache, logits, temperature, top_p, key_data, steps, active, positions
+            ):
+                tok = choose_per_slot(sampled, logits, temperature, top_p, key_data, steps)
+                module = model.merge(params)
+                written = active[:, None] & (jnp.arange(capacity)[None] == positions[:, None])
+                key_valid = cache.key_valid | written
+                h, k, v = decode_hidden(
+                    module, tok[:, None], positions[:, None], positions, cache.k, cache.v, key_valid
+                )
+                return tok, module.head(h)[:, 0], DenseCache(k, v, key_valid)
+
+            self._steps[sampled] = jax.jit(step, donate_argnums=(1, 2))
+        return self._steps[sampled]
+
+    def step(self, active: np.ndarray, positions: np.ndarray, sampling: SlotSampling) -> np.ndarray:
+        args = (sampling.temperature, sampling.top_p, sampling.key_data, sampling.steps, active, positions)
+        tok, self.logits, self.cache = self._step_fn(sampling.any_sampled)(
+            self.weights, self.cache, self.logits, *(self._put(x) for x in args)
+        )
+        return np.asarray(tok)
+
+
+class PQBatchDecoder(BatchDecoder):
+    """Slots over a PQ cache (`PQKV`): each row keeps its own coded length and exact window, as in
+    `jaxlongctx.pq_generate`; a free slot's row is emptied every step so it never grows."""
+
+    def __init__(self, model: Model, batch: int, context: int, choice: PQKV):
+        super().__init__(model, batch, context)
+        self.choice = choice
+        self.capacity = bucket_length(context + choice.window)  # a flush writes R code slots
+        self.codebooks = place_codebooks(choice.codebooks, self.mesh)
+        self._prefills: dict[int, Any] = {}
+        ids, mask = np.zeros((batch, _WARMUP_WIDTH), np.int32), np.zeros((batch, _WARMUP_WIDTH), bool)
+        mask[:, 0] = True
+        self.logits, self.cache = self._prefill_fn(_WARMUP_WIDTH)(
+            self.weights, self.codebooks, self._put(ids), self._put(mask)
+        )
+        self._insert = jax.jit(
+            lambda cache, logits, row, row_logits, b: (
+                _write_row(cache, row, PQCache(1, 1, 1, 1, 0, 0, 0), b),
+                _write_row(logits, row_logits, 0, b),
+            ),
+            donate_argnums=(0, 1),
+        )
+
+    def _prefill_fn(self, width: int):
+        if width not in self._prefills:
+            model, c, capacity = self.model, self.choice, self.capacity
+
+            def prefill(params, codebooks, ids, mask):
+                k_cent, v_cent, k_w, v_w = codebooks
+                module = model.merge(params)
+                return pq_prefill(
+                    module, k_cent, v_cent, capacity, c.window, c.keep_prompt_tail_exact,
+                    ids, mask, c.sinks, c.observed, k_w, v_w,
+                )  # fmt: skip
+
+            self._prefills[width] = jax.jit(prefill)
+        return self._prefills[width]
+
+    def admit(self, slot: int, ids: list[int]) -> None:
+        padded, mask = _padded(ids)
+        row_logits, row = self._prefill_fn(padded.shape[1])(
+            self.weights, self.codebooks, self._put(padded), self._put(mask)
+        )
+        self.cache, self.logits = self._insert(self.cache, self.logits, row, row_logits, jnp.int32(slot))
+
+    def _step_fn(self, sampled: bool):
+        if sampled not in self._steps:
+            model, c = self.model, self.choice
+
+            def step(
+                params,
+                codebooks,
+                cache: PQCache,
+                logits,
+                temperature,
+                top_p,
+                key_data,
+                steps,
+                active,
+                positions,
+            ):
+                tok = choose_per_slot(sampled, logits, temperature, top_p, key_data, steps)
+                module = model.merge(params)
+                k_cent, v_cent, k_w, v_w = codebooks
+                empty = lambda x: None if x is None else jnp.where(active, x, 0)
+                cache = cache._replace(
+                    lengths=empty(cache.lengths),
+                    window_lengths=empty(cache.window_lengths),
+                    pinned=empty(cache.pinned),
+                )
+                h, cache = pq_decode_hidden(
+                    module,
+                    k_cent,
+                    v_cent,
+                    tok[:, None],
+                    positions[:, None],
+                    cache,
+                    c.backend,
+                    c.window,
+                    k_w,
+                    v_w,
+                )
+                return tok, module.head(h)[:, 0], cache
+
+            self._steps[sampled] = jax.jit(step, donate_argnums=(2, 3))
+        return self._steps[sampled]
+
+    def step(self, active: np.ndarray, positions: np.ndarray, sampling: SlotSampling) -> np.ndarray:
+        args = (sampling.temperature, sampling.top_p, sampling.key_data, sampling.steps, active, positions)
+        tok, self.logits, self.cache = self._step_fn(sampling.any_sampled)(
+            self.weights, self.codebooks, self.cache, self.logits, *(self._put(x) for x in args)
+        )
+        return np.asarray(tok)

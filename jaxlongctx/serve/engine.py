@@ -1,0 +1,325 @@
+"""The serving engine: requests wait in a queue, join a free decode slot as soon as there is one
+(prefilled between two decode steps), are decoded together by one batched step, and leave their slot
+the moment they end (stop id, stop string, max tokens, the context, or cancelled by the client).
+
+It runs in its own thread; a request's text pieces and its end reach the caller through the
+request's `emit` callback, called from that thread. ARMT models (their own memory, no KV cache) are
+served one request at a time through `jaxlongctx.generate`.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jaxlongctx.cache_choice import PQKV, DenseKV, OwnMemoryModel
+from jaxlongctx.chat import stop_ids as model_stop_ids
+from jaxlongctx.generate import generate
+from jaxlongctx.model.model import Model
+from jaxlongctx.sampling import SamplingParams
+from jaxlongctx.serve.batch_decode import BatchDecoder, DenseBatchDecoder, PQBatchDecoder, SlotSampling
+from jaxlongctx.serve.metrics import Metrics
+from jaxlongctx.serve.sampling import slot_key
+from jaxlongctx.serve.text import OutputText
+
+DEFAULT_MAX_CONTEXT = 8192
+
+
+class PromptTooLong(ValueError):
+    """A prompt (plus the tokens asked for) longer than the served context."""
+
+
+class Overloaded(RuntimeError):
+    """The queue is full: try again later."""
+
+
+class ShuttingDown(RuntimeError):
+    """The engine takes no new requests (it finishes those it has)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """`max_batch`: decode slots; `max_context`: tokens per conversation (prompt + answer; default the
+    model's, at most DEFAULT_MAX_CONTEXT); `max_queue`: waiting requests before new ones are refused;
+    `cache`: `DenseKV()` or `PQKV(codebooks)` (full-attention models)."""
+
+    max_batch: int = 8
+    max_context: int | None = None
+    max_queue: int = 256
+    cache: DenseKV | PQKV = field(default_factory=DenseKV)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How a request ended: `reason` "stop" (stop id or string), "length" (max tokens or context),
+    "cancelled" or "error"; token counts; the whole answer `text`."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    text: str
+    ids: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    """One generation: prompt ids, at most `max_tokens` new ones (None: up to the context), sampling
+    (temperature 0 = greedy, top_p 1 = off, seed), `stop` strings. `emit` receives each text piece (str)
+    and, last, a `Finished`, from the engine's thread."""
+
+    prompt_ids: list[int]
+    emit: Callable[[str | Finished], Any]
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    output: OutputText | None = None
+    generated: list[int] = field(default_factory=list)
+    submitted_at: float = field(default_factory=time.monotonic)
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this request (its slot is freed before the next step)."""
+        self.cancelled.set()
+
+
+class Engine:
+    """Continuous batching over `options.max_batch` slots of `model` (a `Model` or an ARMT model)."""
+
+    def __init__(self, model: Any, options: EngineOptions = EngineOptions()):
+        if model.tokenizer is None:
+            raise ValueError("serving needs a model with a tokenizer (tokenizer.json or the GGUF's own)")
+        limit = model.config.max_position_embeddings
+        context = options.max_context or min(limit, DEFAULT_MAX_CONTEXT)
+        if not 2 <= context <= limit:
+            raise ValueError(f"--max-context must be in [2, {limit}] (the model's context), got {context}")
+        if options.max_batch < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {options.max_batch}")
+        self.model = model
+        self.context = context
+        self.options = options
+        self.stop_ids = frozenset(model_stop_ids(model))
+        self.metrics = Metrics()
+        self.one_at_a_time = isinstance(model, OwnMemoryModel)
+        self.batch = 1 if self.one_at_a_time else options.max_batch
+        self.decoder: BatchDecoder | None = None
+        if not self.one_at_a_time:
+            if not isinstance(model, Model):
+                raise ValueError(f"cannot serve a {type(model).__name__}")
+            model.check_length(context)
+            if isinstance(options.cache, PQKV):
+                self.decoder = PQBatchDecoder(model, self.batch, context, options.cache)
+            else:
+                self.decoder = DenseBatchDecoder(model, self.batch, context)
+        self._waiting: collections.deque[GenerationRequest] = collections.deque()
+        self._slots: list[GenerationRequest | None] = [None] * self.batch
+        self._cv = threading.Condition()
+        self._accepting = True
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="jaxlongctx-engine", daemon=True)
+
+    # --- the caller's side ---------------------------------------------------------------------
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def submit(self, req: GenerationRequest) -> None:
+        """Queue `req`; raises PromptTooLong, Overloaded or ShuttingDown (nothing queued then)."""
+        n = len(req.prompt_ids)
+        room = self.context - n
+        if req.max_tokens is None:
+            if room < 1:
+                raise PromptTooLong(
+                    f"This model's maximum context length is {self.context} tokens. However, your prompt is "
+                    f"{n} tokens, which leaves no room for the completion."
+                )
+            req.max_tokens = room
+        elif n + req.max_tokens > self.context:
+            raise PromptTooLong(
+                f"This model's maximum context length is {self.context} tokens. However, you requested "
+                f"{n + req.max_tokens} tokens ({n} in the prompt, {req.max_tokens} in the completion). "
+                "Please reduce the prompt or the completion length."
+            )
+        if n < 1:
+            raise ValueError("the prompt is empty")
+        req.output = OutputText(self.model.tokenizer, req.stop)
+        with self._cv:
+            if not self._accepting:
+                self.metrics.count("rejected")
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) >= self.options.max_queue:
+                self.metrics.count("rejected")
+                raise Overloaded(f"{len(self._waiting)} requests are waiting already")
+            self.metrics.count("received")
+            self._waiting.append(req)
+            self._cv.notify()
+
+    @property
+    def accepting(self) -> bool:
+        """False once the engine refuses new requests (shutting down)."""
+        return self._accepting
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on (those queued or decoding go on)."""
+        with self._cv:
+            self._accepting = False
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop taking requests, finish those queued or decoding, then stop the thread."""
+        with self._cv:
+            self._accepting = False
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def state(self) -> dict[str, int]:
+        """Slots, busy slots and queued requests right now."""
+        with self._cv:
+            return {
+                "slots": self.batch,
+                "busy": sum(s is not None for s in self._slots),
+                "queued": len(self._waiting),
+            }
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        s = self.state()
+        return self.metrics.snapshot(s["slots"], s["busy"], s["queued"])
+
+    # --- the engine's thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.one_at_a_time:
+            self._run_one_at_a_time()
+            return
+        positions = np.zeros(self.batch, np.int32)
+        sampling = SlotSampling.empty(self.batch, slot_key(0).shape)
+        while True:
+            with self._cv:
+                while not self._waiting and not any(self._slots) and not self._stopping:
+                    self._cv.wait()
+                if self._stopping and not self._waiting and not any(self._slots):
+                    return
+                joining = []
+                for b, s in enumerate(self._slots):
+                    if s is None and self._waiting:
+                        self._slots[b] = self._waiting.popleft()
+                        joining.append(b)
+            for b in joining:
+                self._admit(b, positions, sampling)
+            self._drop_cancelled()
+            active = np.asarray([s is not None for s in self._slots])
+            if not active.any():
+                continue
+            try:
+                tok = self.decoder.step(active, positions, sampling)
+            except Exception:
+                self._fail_all(traceback.format_exc())
+                continue
+            sampling.steps[active] += 1
+            positions[active] += 1
+            for b in np.flatnonzero(active):
+                self._take(self._slots[b], int(tok[b]), b)
+            self.metrics.stepped(int(active.sum()), int(active.sum()))
+
+    def _admit(self, b: int, positions: np.ndarray, sampling: SlotSampling) -> None:
+        """Prefill slot b's new request and set its position and sampling."""
+        req = self._slots[b]
+        if req.cancelled.is_set():
+            self._end(b, "cancelled")
+            return
+        try:
+            self.decoder.admit(b, req.prompt_ids)
+        except Exception:
+            print(traceback.format_exc(), file=sys.stderr)
+            self._end(b, "error")
+            return
+        self.metrics.admitted(len(req.prompt_ids))
+        positions[b] = len(req.prompt_ids)
+        sampling.temperature[b] = req.temperature
+        sampling.top_p[b] = req.top_p
+        sampling.key_data[b] = slot_key(req.seed)
+        sampling.steps[b] = 0
+
+    def _drop_cancelled(self) -> None:
+        for b, s in enumerate(self._slots):
+            if s is not None and s.cancelled.is_set():
+                self._end(b, "cancelled")
+
+    def _take(self, req: GenerationRequest, tok: int, b: int | None) -> bool:
+        """Give `req` its next token; ends it (frees slot b) at a stop or its length; True if it ended."""
+        if tok in self.stop_ids:
+            self._end(b, "stop", req)
+            return True
+        req.generated.append(tok)
+        piece = req.output.add(tok)
+        if piece:
+            req.emit(piece)
+        if req.output.stopped:
+            self._end(b, "stop", req)
+        elif len(req.generated) >= req.max_tokens:
+            self._end(b, "length", req)
+        else:
+            return False
+        return True
+
+    def _end(self, b: int | None, reason: str, req: GenerationRequest | None = None) -> None:
+        """Finish a request (slot b's, freed at once) with `reason`."""
+        if b is not None:
+            with self._cv:
+                req, self._slots[b] = self._slots[b], None
+        rest = req.output.finish() if reason in ("stop", "length") else ""
+        if rest:
+            req.emit(rest)
+        self.metrics.count({"stop": "finished", "length": "finished", "error": "failed"}.get(reason, reason))
+        req.emit(
+            Finished(reason, len(req.prompt_ids), len(req.generated), req.output.text, tuple(req.generated))
+        )
+
+    def _fail_all(self, error: str) -> None:
+        print(error, file=sys.stderr)
+        for b, s in enumerate(self._slots):
+            if s is not None:
+                self._end(b, "error")
+
+    def _run_one_at_a_time(self) -> None:
+        """ARMT: each request alone through `jaxlongctx.generate` (its memory reads the prompt)."""
+        while True:
+            with self._cv:
+                while not self._waiting and not self._stopping:
+                    self._cv.wait()
+                if not self._waiting:
+                    return
+                req = self._slots[0] = self._waiting.popleft()
+            if req.cancelled.is_set():
+                self._end(0, "cancelled")
+                continue
+            params = SamplingParams(
+                req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p if req.top_p < 1 else None,
+                seed=req.seed,
+                stop_ids=tuple(self.stop_ids),
+            )
+            try:
+                out = generate(self.model, np.asarray([req.prompt_ids], np.int32), params)
+            except Exception:
+                print(traceback.format_exc(), file=sys.stderr)
+                self._end(0, "error")
+                continue
+            self.metrics.admitted(len(req.prompt_ids))
+            new = out[0, len(req.prompt_ids) :].tolist()  # max_tokens ids: one of them ends the request
+            for tok in new:
+                if self._take(req, int(tok), None):
+                    break
+            with self._cv:
+                self._slots[0] = None
+            self.metrics.stepped(1, len(req.generated))
