@@ -9,6 +9,10 @@ Llama-3.2-1B shape in bf16, segment 1024, 128 memory tokens, 16K..131K tokens.
 `--sweep device` (bench/device_run.py, a few minutes of a lent GPU) times only ARMT at that shape,
 diagonal with the vmapped cell and with the grouped-GEMM kernel against sequential, and writes the
 JSON after every length; `--sweep device_dry_run` runs the same on a tiny model on CPU.
+`--sweep published_device` times the ARMT authors' published cell (sink, sliding window over the
+previous segment, 32 memory tokens, segment 1024, llama3 RoPE; spec/armt_published.md) at the same
+shape against sequential and full attention, with the state bytes per row; `--published` runs it at a
+small shape on CPU (bench/results/armt_published_schedule.json).
 """
 
 from __future__ import annotations
@@ -51,6 +55,20 @@ GPU_MODEL = dict(
     head_dim=64,
     rope_theta=500000.0,
 )
+# the published checkpoints' base (Llama-3.2-1B, spec/armt_published.md 6), vocab cut as above
+PUBLISHED_GPU_MODEL = dict(
+    GPU_MODEL,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    tie_word_embeddings=True,
+)
+# the published cell (jaxlongctx.convert.armt_hf.published_armt_config without the file)
+PUBLISHED_CELL = dict(sink=True, sliding_window=True, normalize_features=True, gamma_eps=0.0)
 TINY_MODEL = dict(
     vocab_size=128,
     hidden_size=64,
@@ -62,6 +80,17 @@ TINY_MODEL = dict(
 )
 # Diagonal projections timed side by side in the device sweeps (jaxlongctx.armt.projections).
 DEVICE_PROJECTIONS = ("vmap", "grouped_matmul")
+DEVICE_DRY_RUN = dict(
+    model=TINY_MODEL,
+    dtype="float32",
+    lengths=[64],
+    armt=[(16, 4)],
+    repeats=1,
+    full=False,
+    projections=DEVICE_PROJECTIONS,
+    kernel="xla",
+    pipeline_on_cpu=True,
+)
 SWEEPS = {
     "cpu": dict(
         model=CPU_MODEL,
@@ -95,16 +124,27 @@ SWEEPS = {
         projections=DEVICE_PROJECTIONS,
         kernel="auto",
     ),
-    "device_dry_run": dict(
-        model=TINY_MODEL,
-        dtype="float32",
-        lengths=[64],
-        armt=[(16, 4)],
-        repeats=1,
-        full=False,
+    "published_device": dict(
+        model=PUBLISHED_GPU_MODEL,
+        dtype="bfloat16",
+        lengths=[16384, 32768, 65536, 131072],
+        armt=[(1024, 32)],
+        cell=PUBLISHED_CELL,
+        repeats=2,
+        full=True,
+        full_memory=False,  # no compile-time memory analysis: it would not fit the device run's time box
         projections=DEVICE_PROJECTIONS,
-        kernel="xla",
-        pipeline_on_cpu=True,
+        kernel="auto",
+    ),
+    "device_dry_run": DEVICE_DRY_RUN,
+    "published_device_dry_run": dict(DEVICE_DRY_RUN, cell=PUBLISHED_CELL, full=True, full_memory=False),
+    "published_cpu": dict(
+        model=CPU_MODEL,
+        dtype="float32",
+        lengths=[1024, 2048, 4096, 8192],
+        armt=[(256, 32)],
+        cell=PUBLISHED_CELL,
+        repeats=3,
     ),
 }
 
@@ -173,7 +213,7 @@ def run(sweep_name: str, save: Callable[[dict[str, Any]], Any] = lambda payload:
     model = Model.init(ModelConfig(**sweep["model"]), seed=0, dtype=dtype)
     armts = {}
     for i, (seg, mem) in enumerate(sweep["armt"]):
-        a = ARMTModel.wrap(model, ARMTConfig(seg, mem), jax.random.key(i))
+        a = ARMTModel.wrap(model, ARMTConfig(seg, mem, **sweep.get("cell", {})), jax.random.key(i))
         armts[f"{seg}/{mem}"] = a.randomize_memory_params(jax.random.key(100 + i), 0.1)
         if sweep.get("pipeline_on_cpu"):  # run the pipeline as an accelerator does, not CPU's shortcuts
             a.cpu_execution = PIPELINE_ALWAYS
@@ -193,7 +233,7 @@ def run(sweep_name: str, save: Callable[[dict[str, Any]], Any] = lambda payload:
             "times": times,
             "full_attention_kv_bytes": armts[next(iter(armts))].full_attention_kv_bytes(length),
         }
-        if full:
+        if full and sweep.get("full_memory", True):
             row["full_forward_bytes"] = compiled_bytes(
                 model._forward, model.params, jnp.asarray(ids), jnp.ones(ids.shape, bool)
             )
@@ -223,9 +263,10 @@ def run(sweep_name: str, save: Callable[[dict[str, Any]], Any] = lambda payload:
                     {
                         "full_vs_diagonal": times["full"]["median_s"] / diag,
                         "full_vs_best_armt": times["full"]["median_s"] / min(seq, diag),
-                        "diagonal_working_bytes": armt_working_bytes(a, n_seg),
                     }
                 )
+                if sweep.get("full_memory", True):
+                    row[name]["diagonal_working_bytes"] = armt_working_bytes(a, n_seg)
                 line += f"  full {times['full']['median_s']:.3f}s  full/diag {times['full']['median_s'] / diag:.2f}"
             print(
                 line
@@ -314,10 +355,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CPU: lengths 1K..8K and three ARMT configs")
     parser.add_argument(
         "--sweep",
-        choices=("device", "device_dry_run"),
+        choices=("device", "device_dry_run", "published_device", "published_device_dry_run"),
         help="the device run's sweep (writes armt_schedule_<sweep>.json); default: by backend",
     )
+    parser.add_argument(
+        "--published", action="store_true", help="CPU: the published cell at a small shape (1K..8K)"
+    )
     args = parser.parse_args()
+    if args.published:
+        payload = run("published_cpu")
+        write_result("armt_published_schedule", payload)
+        plot(payload, "armt_published_schedule")
+        return
     if args.sweep:
         name = f"armt_schedule_{args.sweep}"
         payload = run(args.sweep, lambda partial: write_result(name, partial))

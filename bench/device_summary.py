@@ -104,7 +104,14 @@ def armt_ratios(payload: dict[str, Any], ceil: dict[str, float]) -> dict[str, An
             cells = row[key]["segments"] * model["num_layers"]
             flops = 2 * layer_matmul_params(model) * (seg + mem) * cells
             seq = row["times"][f"sequential {key}"]["median_s"]
-            entry: dict[str, Any] = {"length": row["length"], "armt": key}
+            entry: dict[str, Any] = {
+                "length": row["length"],
+                "armt": key,
+                "state_bytes": row[key]["state_bytes"],
+            }
+            if "full" in row["times"]:
+                entry["full_over_diagonal"] = row[key]["full_vs_diagonal"]
+                entry["full_attention_kv_bytes"] = row["full_attention_kv_bytes"]
             for name, t in row["times"].items():
                 if not name.endswith(f" {key}"):
                     continue
@@ -218,6 +225,7 @@ def summarize(records: dict[str, dict[str, Any]], environment: dict[str, Any]) -
     ratios = {
         "kernels": guarded(lambda: kernel_ratios(only_result(records.get("kernels")), ceil)),
         "armt_schedule": guarded(lambda: armt_ratios(only_result(records.get("armt_schedule")), ceil)),
+        "armt_published": guarded(lambda: armt_ratios(only_result(records.get("armt_published")), ceil)),
         "pq_decode": guarded(lambda: pq_decode_ratios(only_result(records.get("pq_decode")), ceil)),
     }
     real = (records.get("real_model") or {}).get("results")

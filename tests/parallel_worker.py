@@ -440,6 +440,54 @@ def run_armt() -> dict[str, Any]:
     return out
 
 
+def run_armt_published() -> dict[str, Any]:
+    """The published ARMT cell (sink, sliding window, 2 memory heads) with 2 kv heads on tp meshes up
+    to and past the kv-head count (kv heads replicated) vs one device: both schedules on a padded
+    batch, greedy tokens, and how the window K/V is split."""
+    from jaxlongctx.armt import ARMTConfig, ARMTModel
+    from jaxlongctx.armt.cpu_execution import PIPELINE_ALWAYS
+
+    config = dataclasses.replace(CFG, num_heads=8, num_kv_heads=2, qkv_bias=False, o_bias=False)
+    armt_cfg = ARMTConfig(
+        segment_size=4,
+        num_mem_tokens=2,
+        d_mem=8,
+        sink=True,
+        sliding_window=True,
+        normalize_features=True,
+        gamma_eps=0.0,
+        mem_heads=2,
+    )
+    ids = np.random.default_rng(0).integers(3, config.vocab_size, (4, 13)).astype(np.int32)
+    mask = np.ones_like(ids, bool)
+    mask[1, 9:] = mask[3, :3] = False
+    base = make_model(config)
+
+    def armt(model: jaxlongctx.Model) -> ARMTModel:
+        out = ARMTModel.wrap(model, armt_cfg, jax.random.key(0)).randomize_memory_params(
+            jax.random.key(1), 0.5
+        )
+        out.cpu_execution = PIPELINE_ALWAYS
+        return out
+
+    plain = armt(base)
+    want = {s: np.asarray(plain(ids, mask, schedule=s)) for s in ("sequential", "diagonal")}
+    want_tokens = jaxlongctx.generate(plain, ids, GREEDY, attention_mask=mask)
+    out: dict[str, Any] = {}
+    for tp, dp in [(2, 1), (4, 1), (8, 1), (2, 2)]:
+        model = armt(shard_model(base, make_mesh(tp=tp, dp=dp)))
+        row: dict[str, Any] = {}
+        for schedule, logits in want.items():
+            got, state = model.run(ids, mask, schedule=schedule)
+            row[schedule] = float(np.abs(np.asarray(got) - logits).max())
+            row["wk_spec"] = str(state.wk.sharding.spec)
+        row["tokens_equal"] = bool(
+            (jaxlongctx.generate(model, ids, GREEDY, attention_mask=mask) == want_tokens).all()
+        )
+        out[f"dp{dp}xtp{tp}"] = row
+    return out
+
+
 def run_kv_replicas(combos: list[tuple[int, int]], tokens: bool) -> dict[str, Any]:
     """For each (kv heads K, tp): a 16-head model with K kv heads on a tp mesh (kv heads replicated when
     tp > K) against one device: dense logits, PQ teacher-forced logits (also with pinned sink and observed
@@ -536,6 +584,8 @@ def main(argv: list[str]) -> None:
         result, out = run_meshes(), argv[1]
     elif argv[0] == "armt":
         result, out = run_armt(), argv[1]
+    elif argv[0] == "armt_published":
+        result, out = run_armt_published(), argv[1]
     elif argv[0] == "kv_replicas":
         combos = [tuple(int(x) for x in c.split(":")) for c in argv[3:]]
         result, out = run_kv_replicas(combos, argv[2] == "tokens"), argv[1]

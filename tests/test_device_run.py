@@ -14,7 +14,7 @@ from bench.device_run import Step, main, run
 from bench.device_summary import summarize
 
 REPO = Path(__file__).resolve().parent.parent
-MEASURED = ("limits", "pytest", "kernels", "armt_schedule", "pq_decode")
+MEASURED = ("limits", "pytest", "kernels", "armt_schedule", "armt_published", "pq_decode")
 
 
 @pytest.mark.jaxmin  # the GPU image's jax: the one the device run meets
@@ -53,6 +53,12 @@ def test_cpu_dry_run_runs_every_step(tmp_path):
     armt = ratios["armt_schedule"]["rows"][0]
     for method in ("diagonal/vmap", "diagonal/grouped_matmul"):
         assert armt[f"{method}_speedup_over_sequential"] > 0 and armt[f"{method}_fraction_of_matmul_peak"] > 0
+    published = ratios["armt_published"]["rows"][0]  # sink + sliding window, vs full attention
+    assert (
+        published["diagonal/grouped_matmul_speedup_over_sequential"] > 0
+        and published["full_over_diagonal"] > 0
+    )
+    assert published["state_bytes"] > 0 and published["full_attention_kv_bytes"] > 0
     pq = ratios["pq_decode"]["rows"][0]
     assert pq["dense_over_pq_ds4"] > 0 and pq["dense_over_pq_ds4_4bit"] > 0  # 8-bit codes, 4-bit packed
     assert pq["pq_ds4_fraction_of_bandwidth"] > 0 and pq["pq_ds4_4bit_fraction_of_bandwidth"] > 0
@@ -62,6 +68,7 @@ def test_cpu_dry_run_runs_every_step(tmp_path):
         "grouped_gemm_vs_ragged_dot",
     }
     assert sorted(p.name for p in out.glob("gpu_*.png")) == [
+        "gpu_armt_published.png",
         "gpu_armt_schedule.png",
         "gpu_kernels.png",
         "gpu_pq_decode.png",

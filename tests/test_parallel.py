@@ -131,6 +131,26 @@ def test_pq_kernel_runs_per_kv_head_shard(meshes, backend):
     assert got["max_diff"] <= 1e-5 and got["out_spec"] == "P('dp', 'tp', None)" and got["collectives"] == 0
 
 
+def test_armt_published_on_meshes_matches_one_device(tmp_path):
+    """The published cell (sink, sliding window, memory heads) on tp meshes up to and past its 2 kv
+    heads: both schedules and greedy decoding equal one device; the window K/V splits over kv heads."""
+    out = tmp_path / "armt_published.json"
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), "armt_published", str(out)],
+        env=_worker_env(8),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert sorted(got) == ["dp1xtp2", "dp1xtp4", "dp1xtp8", "dp2xtp2"]
+    for name, m in got.items():
+        assert m["sequential"] <= TOLERANCE and m["diagonal"] <= TOLERANCE, (name, m)
+        assert m["tokens_equal"], name
+        assert "tp" in m["wk_spec"], (name, m["wk_spec"])
+
+
 def test_armt_on_meshes_matches_one_device(tmp_path):
     """Both schedules, streaming and generation with random memory weights and a padded batch, on
     every mesh, on the grid and with sentence segments; W_mv and the memory state A split their value

@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlongctx.armt.config import EPS, NU, ARMTConfig
 from jaxlongctx.sharding import memory_state_shardings, reshard_like
@@ -96,6 +98,17 @@ def features(x: jnp.ndarray, cfg: ARMTConfig) -> jnp.ndarray:
     return phi
 
 
+def _reshape_last(x: jnp.ndarray, shape: tuple[int, ...], keep: int) -> jnp.ndarray:
+    """`x` with its trailing axes after the first `keep` reshaped to `shape`; on a mesh the new last
+    axis takes the old last axis's layout (memory heads split or merged over a tp-split value axis)."""
+    new = (*x.shape[:keep], *shape)
+    sharding = jax.typeof(x).sharding
+    if sharding.mesh.empty:
+        return x.reshape(new)
+    spec = (*tuple(sharding.spec)[:keep], *(None,) * (len(shape) - 1), tuple(sharding.spec)[-1])
+    return jax.lax.reshape(x, new, out_sharding=NamedSharding(sharding.mesh, P(*spec)))
+
+
 def _heads(A: jnp.ndarray, z: jnp.ndarray, heads: int) -> tuple[jnp.ndarray, jnp.ndarray]:
     """State `A [..., dk, c]`, `z [..., dk]` -> float32 per head `[..., H, f, c]`, `[..., H, f]`."""
     A = A.astype(jnp.float32)
@@ -119,7 +132,7 @@ def read(
     num = jnp.einsum("...thf,...hfc->...thc", q, a)
     if cfg.use_denom:
         num = num / (jnp.einsum("...thf,...hf->...th", q, zz) + EPS)[..., None]
-    num = num.reshape(*num.shape[:-2], -1)  # B T D
+    num = _reshape_last(num, (num.shape[-2] * num.shape[-1],), num.ndim - 2)  # B T D
     num = reshard_like(num, h)  # on a mesh: gather A's value columns (split over tp) once per layer
     return (h.astype(jnp.float32) + num).astype(h.dtype)
 
@@ -138,7 +151,7 @@ def write(
     H = cfg.mem_heads
     k = features(proj(m, weights.wk), cfg)  # B M H f
     v = proj(m, weights.wv)  # B M D
-    v = v.reshape(*v.shape[:-1], H, -1)  # B M H c
+    v = _reshape_last(v, (H, v.shape[-1] // H), v.ndim - 1)  # B M H c
     one_beta = cfg.beta_width(m.shape[-1]) == 1  # W_mb [.., D] and b_mb [..] (spec/armt.md)
     logit = proj(m, weights.wb[..., None] if one_beta else weights.wb)  # B M nb (nb: 1, H or D)
     bias = weights.bb.astype(jnp.float32)  # [nb] per layer, [G, nb] on a grouped step

@@ -3,30 +3,48 @@ published cell (a sink or a sliding window): every generated token's logits equa
 the prompt plus the tokens generated so far.
 
 The prompt is cut on the fixed grid; every segment but its last runs through a schedule and is
-*committed* (memory state and window written). The last chunk (1..S tokens) stays *open*: each step
-runs the open segment through every layer from the committed state (one segment pass, as the forward
-computes it) and takes its last real token row. When the open segment holds S tokens and one more
-arrives, the state that S-token pass wrote is committed and the new token opens the next segment.
+*committed* (memory state and window written). The last chunk (1..S tokens) stays *open*, and when it
+holds S tokens and one more arrives it is committed and the new token opens the next segment. Where
+the reference recomputes the whole open segment at every step, decoding here keeps, per layer, a cache
+of the open segment's post-RoPE keys and values (`OpenCache`: the sink row in slot 0, open token i in
+slot i + 1) next to the committed window. Tokens never see the current segment's memory-token rows,
+so a step runs only the new token's row, reading the committed memory state. A commit runs only the M
+memory-token rows through the layers against those caches (writing A and z), makes the cached token
+keys and values the new window, and computes the next segment's sink row once.
+
+Every pass attends with the forward's own mask (`segment_visibility` of the full segment, sliced to
+the rows it runs), so the version options (`ARMTConfig.mem_mem_mask`, ...) hold here too.
 """
 
 from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlongctx.armt.cell import segment_layout, segment_visibility
 from jaxlongctx.armt.generation import _window_rows
-from jaxlongctx.armt.memory import MemoryState, zero_state
+from jaxlongctx.armt.memory import MemoryState, read, write, zero_state
 from jaxlongctx.armt.segments import compact, segment
-from jaxlongctx.armt.sequential import segment_through_layers
+from jaxlongctx.armt.sequential import sink_row
 from jaxlongctx.cache_choice import ARMTMemory
 from jaxlongctx.decode_loop import Request, choose_next
+from jaxlongctx.model.attention_strategies import WindowedSegment
+from jaxlongctx.model.rope import rope_tables
 from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.sharding import put_batch
+
+
+class OpenCache(NamedTuple):
+    """Post-RoPE keys and values of the open segment's sink and token rows, per layer:
+    `k, v [L, B, S + 1, K, hd]` (slot 0 the sink, slot i + 1 open token i)."""
+
+    k: jnp.ndarray
+    v: jnp.ndarray
 
 
 def uses_open_segment(model: Any) -> bool:
@@ -34,57 +52,144 @@ def uses_open_segment(model: Any) -> bool:
     return model.armt.sink or model.armt.sliding_window
 
 
-def _open_pass(
-    model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray, first: jnp.ndarray
-) -> tuple[jnp.ndarray, MemoryState]:
-    """The open segments (ids `[B, S]`, `n [B]` >= 1 tokens, `first [B]`) from the committed `state`:
-    the last real token's logits `[B, V]` and the state this pass writes (committed when it fills)."""
-    new, logits = segment_through_layers(model, params, state, ids, n, first)
-    return jnp.take_along_axis(logits, (n - 1)[:, None, None], axis=1)[:, 0], new
+def _visible(model: Any, rows: slice, n: jnp.ndarray, state: MemoryState) -> tuple[jnp.ndarray, int]:
+    """The forward's mask for buffer `rows` of segments holding `n [B]` tokens: `[B, T, W + R]` over
+    [window, buffer rows], and the window width W."""
+    cfg = model.armt
+    window_n = state.wn[0] if cfg.sliding_window else None  # every layer holds the same segment's window
+    full = segment_visibility(n, window_n, cfg)
+    return full[:, rows], full.shape[-1] - cfg.rows
 
 
-def _step(
+def _rows_pass(
+    model: Any,
+    params: Any,
+    state: MemoryState,
+    cache: OpenCache,
+    h: jnp.ndarray,
+    positions: jnp.ndarray,
+    visible: jnp.ndarray,
+    first: jnp.ndarray | None = None,
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, MemoryState]:
+    """Rows `h [B, T, D]` at RoPE `positions [B, T]` through every layer: each reads the committed memory
+    state and attends to [window, open cache, its own rows] as `visible [B, T, W + S + 1 + T]` says.
+    Returns the output rows, their per-layer keys and values `[L, B, T, K, hd]` and, given `first [B]`
+    (memory-token rows: the write's first-segment flags), the state they write (else `state`)."""
+    base, memory_params = model.merge(params)
+    cfg = model.armt
+    cos, sin = rope_tables(positions, model.inv_freq)
+
+    def body(layer, h, xs):
+        weights, a, z, wk, wv, ck, cv = xs
+        h = read(h, weights, a, z, cfg)
+        pk, pv = (ck, cv) if wk is None else (jnp.concatenate([wk, ck], 1), jnp.concatenate([wv, cv], 1))
+        h, (k, v) = layer(h, cos, sin, WindowedSegment(visible, pk, pv))
+        if first is not None:
+            a, z = write(h, weights, a, z, first, cfg)
+        return h, (k, v, a, z)
+
+    xs = (memory_params.layers(), state.A, state.z, state.wk, state.wv, cache.k, cache.v)
+    h, (k, v, A, z) = base.scan_layers(body, h, xs)
+    return h, k, v, state._replace(A=A, z=z)
+
+
+def _prefill(
+    model: Any, params: Any, state: MemoryState, ids: jnp.ndarray, n: jnp.ndarray
+) -> tuple[jnp.ndarray, OpenCache]:
+    """The open segments (ids `[B, S]`, `n [B]` >= 1 tokens) as sink and token rows: the last real
+    token's logits `[B, V]` and the open cache."""
+    base, memory_params = model.merge(params)
+    cfg, S = model.armt, model.armt.segment_size
+    rows = slice(0, S + 1)
+    tok = base.embed_ids(ids)
+    sink = jnp.broadcast_to(sink_row(memory_params).astype(tok.dtype), (tok.shape[0], 1, tok.shape[-1]))
+    positions, _ = segment_layout(n, cfg)
+    visible, w = _visible(model, rows, n, state)
+    visible = jnp.concatenate(
+        [visible[..., :w], jnp.zeros((*visible.shape[:2], S + 1), bool), visible[..., w : w + S + 1]], -1
+    )
+    empty = _empty_cache(model, tok.shape[0], tok.dtype)
+    h, k, v, _ = _rows_pass(
+        model, params, state, empty, jnp.concatenate([sink, tok], 1), positions[:, rows], visible
+    )
+    last = base.head(jnp.take_along_axis(h, n[:, None, None], axis=1))[:, 0]
+    return last, OpenCache(k, v)
+
+
+def _empty_cache(model: Any, batch: int, dtype: Any) -> OpenCache:
+    cfg = model.config
+    shape = (cfg.num_layers, batch, model.armt.segment_size + 1, cfg.num_kv_heads, cfg.head_dim)
+    return OpenCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def _token_step(
     model: Any,
     sampler: tuple,
     stop: tuple[int, ...],
     pad_id: int,
     params: Any,
-    committed: MemoryState,
-    written: MemoryState,
-    ids: jnp.ndarray,
+    state: MemoryState,
+    cache: OpenCache,
     n: jnp.ndarray,
-    first: jnp.ndarray,
     logits: jnp.ndarray,
     key: jax.Array,
     done: jnp.ndarray,
 ):
-    """Choose the next token `[B]`, append it to the open segments (committing full ones first) and run
-    them; returns the token, done flags, its logits and the new (committed, written, ids, n, first)."""
+    """Choose the next token `[B]` and run it as open token `n [B]` (slot n + 1): returns the token,
+    done flags, its logits `[B, V]` and the cache with its keys and values."""
     tok, done = choose_next(sampler, stop, pad_id, logits, key, done)
-    S = ids.shape[1]
-    full = n == S  # B: the open segment commits and the token opens the next one
-    committed = jax.tree.map(
-        lambda new, old: jnp.where(full.reshape((1, -1) + (1,) * (new.ndim - 2)), new, old),
-        written,
-        committed,
-    )
-    n = jnp.where(full, 0, n)
-    first = first & ~full
-    slot = jnp.arange(S)[None] == n[:, None]
-    ids = jnp.where(slot, tok[:, None], jnp.where(full[:, None], 0, ids))
-    n = n + 1
-    logits, written = _open_pass(model, params, committed, ids, n, first)
-    return tok, done, logits, (committed, written, ids, n, first)
+    base, _ = model.merge(params)
+    S = model.armt.segment_size
+    slot = n + 1  # B
+    visible, w = _visible(model, slice(None), n + 1, state)
+    visible = jnp.take_along_axis(visible, slot[:, None, None], axis=1)  # B 1 W+R
+    cols = jnp.arange(S + 1)
+    seen = visible[..., w : w + S + 1] & (cols < slot[:, None, None])  # cached rows before its own
+    visible = jnp.concatenate([visible[..., :w], seen, jnp.ones_like(seen[..., :1])], -1)
+    h, k, v, _ = _rows_pass(model, params, state, cache, base.embed_ids(tok[:, None]), slot[:, None], visible)
+    hit = (cols == slot[:, None])[None, :, :, None, None]  # 1 B S+1 1 1
+    cache = OpenCache(jnp.where(hit, k, cache.k), jnp.where(hit, v, cache.v))
+    return tok, done, base.head(h)[:, 0], cache
+
+
+def _commit(
+    model: Any, params: Any, state: MemoryState, cache: OpenCache, commit: jnp.ndarray, first: jnp.ndarray
+) -> tuple[MemoryState, OpenCache]:
+    """Commit the full open segments of rows in `commit [B]`: their memory-token rows write the memory
+    state, their cached token keys and values become the window, and the next segment's sink row is
+    computed into slot 0 of an emptied cache."""
+    _, memory_params = model.merge(params)
+    cfg, S = model.armt, model.armt.segment_size
+    b = commit.shape[0]
+    full = jnp.full((b,), S, jnp.int32)
+    positions, _ = segment_layout(full, cfg)
+    mem_rows = slice(cfg.mem_start, cfg.rows)
+    visible, w = _visible(model, mem_rows, full, state)  # [window, buffer rows 0..S (cached), memory rows]
+    memory = memory_params.memory[...]
+    h = jnp.broadcast_to(memory.astype(cache.k.dtype), (b, *memory.shape))
+    _, _, _, written = _rows_pass(model, params, state, cache, h, positions[:, mem_rows], visible, first)
+    if cfg.sliding_window:
+        written = written._replace(wk=cache.k[:, :, 1:], wv=cache.v[:, :, 1:], wn=jnp.full_like(state.wn, S))
+    keep = lambda new, old: jnp.where(commit.reshape((1, -1) + (1,) * (new.ndim - 2)), new, old)
+    state = jax.tree.map(keep, written, state)
+    # the next segment's sink row: position 0, sees only itself, reads the new state
+    sink = jnp.broadcast_to(sink_row(memory_params).astype(cache.k.dtype), (b, 1, memory.shape[-1]))
+    empty = _empty_cache(model, b, cache.k.dtype)
+    visible = jnp.zeros((b, 1, w + S + 2), bool).at[..., -1].set(True)
+    _, k, v, _ = _rows_pass(model, params, state, empty, sink, jnp.zeros((b, 1), jnp.int32), visible)
+    new_cache = OpenCache(empty.k.at[:, :, :1].set(k), empty.v.at[:, :, :1].set(v))
+    return state, jax.tree.map(keep, new_cache, cache)
 
 
 def _compiled(model: Any, sampler: tuple, stop: tuple, pad_id: int):
-    """Jitted open pass and decode step for these static settings (cached on the model)."""
+    """Jitted prefill, token step and commit for these static settings (cached on the model)."""
     cache = model.__dict__.setdefault("_open_segment_fns", {})
     key = (sampler, stop, pad_id)
     if key not in cache:
         cache[key] = (
-            jax.jit(partial(_open_pass, model)),
-            jax.jit(partial(_step, model, sampler, stop, pad_id)),
+            jax.jit(partial(_prefill, model)),
+            jax.jit(partial(_token_step, model, sampler, stop, pad_id), donate_argnums=(2,)),
+            jax.jit(partial(_commit, model), donate_argnums=(2,)),
         )
     return cache[key]
 
@@ -109,24 +214,29 @@ def generate_open_segment(
     ids_c, lengths, _ = compact(req.ids, req.mask)
     opens = (lengths - 1) // S * S  # B: where each row's open chunk starts
     params, mesh = model.params, model.base.mesh
-    open_pass, step = _compiled(model, *req.static_key)
+    prefill, step, commit = _compiled(model, *req.static_key)
     t0 = time.perf_counter()
     if opens.max() > 0:
         state, _ = model.run_segments(params, segment(ids_c, opens, S), memory.schedule)
     else:
         state = zero_state(model, len(lengths))
-    open_ids = _window_rows(ids_c, opens, lengths, S)
-    carry = tuple(put_batch(x, mesh) for x in (open_ids, (lengths - opens).astype(np.int32), opens == 0))
-    logits, written = jax.block_until_ready(open_pass(params, state, *carry))
+    n = (lengths - opens).astype(np.int32)  # tokens in each row's open segment
+    open_ids = put_batch(_window_rows(ids_c, opens, lengths, S), mesh)
+    logits, cache = jax.block_until_ready(prefill(params, state, open_ids, put_batch(n, mesh)))
     if timings is not None:
         timings["prefill_s"] = time.perf_counter() - t0
 
     def run(carry, logits, key, done, i):
-        tok, done, logits, carry = step(params, *carry, logits, key, done)
+        state, cache, n, first = carry
+        full = n == S
+        if full.any():  # the token to come opens the next segment
+            state, cache = commit(params, state, cache, put_batch(full, mesh), put_batch(first, mesh))
+            n, first = np.where(full, 0, n), first & ~full
+        tok, done, logits, cache = step(params, state, cache, put_batch(n, mesh), logits, key, done)
         if step_logits is not None:
             step_logits.append(logits)
-        return tok, done, logits, carry
+        return tok, done, logits, (state, cache, n + 1, first)
 
     if step_logits is not None:
         step_logits.append(logits)
-    return req.decode(logits, (state, written, *carry), run, progress=progress, timings=timings)
+    return req.decode(logits, (state, cache, n, opens == 0), run, progress=progress, timings=timings)
