@@ -23,7 +23,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxlongctx::kLanes, jaxlongctx::load, jaxlongctx::sum, jaxlongctx::v16, jaxlongctx::v16i;
+using jaxlongctx::kLanes, jaxlongctx::load, jaxlongctx::store, jaxlongctx::sum, jaxlongctx::vf, jaxlongctx::vi;
 
 namespace {
 
@@ -77,7 +77,7 @@ struct Scratch {
   std::vector<int32_t> slots;  // [kChunk] the visible slots of a chunk
 };
 
-// Vecs = head_dim / 16, a compile-time count so that a key's vectors and the dot products stay in
+// Vecs = head_dim / kLanes, a compile-time count so that a key's vectors and the dot products stay in
 // registers.
 template <typename T, int64_t Vecs>
 void run_task(const Problem& p, int64_t task, Scratch& scratch) {
@@ -107,15 +107,15 @@ void run_task(const Problem& p, int64_t task, Scratch& scratch) {
     if (n == 0) continue;
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {  // scores [G, n], four slots at a time (their lane sums reduced together)
-      v16 kv[4][Vecs];
+      vf kv[4][Vecs];
       for (int64_t u = 0; u < 4; ++u)
         for (int64_t j = 0; j < Vecs; ++j) kv[u][j] = load(keys + slot[i + u] * hd + j * kLanes);
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * hd;
-        v16 dot[4];
+        vf dot[4];
         for (int64_t u = 0; u < 4; ++u) dot[u] = kv[u][0] * load(qg);
         for (int64_t j = 1; j < Vecs; ++j) {
-          const v16 qj = load(qg + j * kLanes);
+          const vf qj = load(qg + j * kLanes);
           for (int64_t u = 0; u < 4; ++u) dot[u] += kv[u][j] * qj;
         }
         jaxlongctx::sums4(dot[0], dot[1], dot[2], dot[3], weights + g * kChunk + i);
@@ -124,7 +124,7 @@ void run_task(const Problem& p, int64_t task, Scratch& scratch) {
     for (; i < n; ++i) {
       const T* key = keys + slot[i] * hd;
       for (int64_t g = 0; g < G; ++g) {
-        v16 dot = load(key) * load(q + g * hd);
+        vf dot = load(key) * load(q + g * hd);
         for (int64_t j = 1; j < Vecs; ++j) dot += load(key + j * kLanes) * load(q + g * hd + j * kLanes);
         weights[g * kChunk + i] = sum(dot);
       }
@@ -139,8 +139,8 @@ void run_task(const Problem& p, int64_t task, Scratch& scratch) {
       peak[g] = next;
       int64_t i = 0;
       for (; i + kLanes <= n; i += kLanes) {
-        const v16 e = jaxlongctx::exp_nonpositive<v16, v16i>(load(w + i) - next);
-        std::memcpy(w + i, &e, sizeof(e));
+        const vf e = jaxlongctx::exp_nonpositive<vf, vi>(load(w + i) - next);
+        store(w + i, e);
         total[g] += sum(e);
       }
       for (; i < n; ++i) total[g] += (w[i] = std::exp(w[i] - next));
@@ -153,23 +153,23 @@ void run_task(const Problem& p, int64_t task, Scratch& scratch) {
       const T* v3 = values + slot[i + 3] * hd;
       for (int64_t j = 0; j < vecs; ++j) {
         const int64_t at = j * kLanes;
-        const v16 x0 = load(v0 + at), x1 = load(v1 + at), x2 = load(v2 + at), x3 = load(v3 + at);
+        const vf x0 = load(v0 + at), x1 = load(v1 + at), x2 = load(v2 + at), x3 = load(v3 + at);
         for (int64_t g = 0; g < G; ++g) {
           const float* w = weights + g * kChunk + i;
-          v16 a = load(acc + g * hd + at);
+          vf a = load(acc + g * hd + at);
           a += w[0] * x0 + w[1] * x1 + w[2] * x2 + w[3] * x3;
-          std::memcpy(acc + g * hd + at, &a, sizeof(a));
+          store(acc + g * hd + at, a);
         }
       }
     }
     for (; i < n; ++i) {
       const T* value = values + slot[i] * hd;
       for (int64_t j = 0; j < vecs; ++j) {
-        const v16 vj = load(value + j * kLanes);
+        const vf vj = load(value + j * kLanes);
         for (int64_t g = 0; g < G; ++g) {
-          v16 a = load(acc + g * hd + j * kLanes);
+          vf a = load(acc + g * hd + j * kLanes);
           a += weights[g * kChunk + i] * vj;
-          std::memcpy(acc + g * hd + j * kLanes, &a, sizeof(a));
+          store(acc + g * hd + j * kLanes, a);
         }
       }
     }
@@ -185,13 +185,13 @@ void run_task(const Problem& p, int64_t task, Scratch& scratch) {
 using Runner = void (*)(const Problem&, int64_t, Scratch&);
 
 template <typename T>
-Runner runner(int64_t vecs) {
-  switch (vecs) {
-    case 1: return run_task<T, 1>;
-    case 2: return run_task<T, 2>;
-    case 4: return run_task<T, 4>;
-    case 6: return run_task<T, 6>;
-    case 8: return run_task<T, 8>;
+Runner runner(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return run_task<T, 16 / kLanes>;
+    case 32: return run_task<T, 32 / kLanes>;
+    case 64: return run_task<T, 64 / kLanes>;
+    case 96: return run_task<T, 96 / kLanes>;
+    case 128: return run_task<T, 128 / kLanes>;
     default: return nullptr;
   }
 }
@@ -225,7 +225,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                   split_out.data(),
                   split_lse.data(),
                   B, K, G, hd, S, P};
-  const Runner run = bf16 ? runner<uint16_t>(hd / kLanes) : runner<float>(hd / kLanes);
+  const Runner run = bf16 ? runner<uint16_t>(hd) : runner<float>(hd);
   if (run == nullptr) return ffi::Error::InvalidArgument("decode_attention: head_dim must be 16, 32, 64, 96 or 128");
   jaxlongctx::run_tasks<Scratch>(pool, pool.num_threads(), B * K * P,
                                  [p, run](int64_t t, Scratch& s) { run(p, t, s); });

@@ -2,8 +2,8 @@
 //
 // P independent problems, each n points of ds coordinates and k centroids. One task per problem:
 //  - every point's nearest centroid (squared L2, ties to the lowest index) and that distance,
-//    16 points per vector and kBlock points per pass over the centroids, so each centroid is read
-//    once per pass and the running minima of the pass stay in registers;
+//    kLanes points per vector (the build tier's width) and kBlock points per pass over the
+//    centroids, so each centroid is read once per pass and the running minima stay in registers;
 //  - then the problem's cluster sizes and coordinate sums (summed in double, in point order), and
 //    for k-means' split of a cluster into an empty one, each cluster's
 //      gain[c] = sum over its points i of |<x_i - mean_c, delta_c>|,
@@ -26,8 +26,8 @@
 
 namespace ffi = xla::ffi;
 using jaxlongctx::kLanes;
-using jaxlongctx::v16;
-using jaxlongctx::v16i;
+using jaxlongctx::vf;
+using jaxlongctx::vi;
 
 namespace {
 
@@ -62,24 +62,24 @@ void nearest_block(const Problem& p, const float* x, const float* cent, int64_t 
   float* coords = scratch.coords.data();
   for (int64_t i = 0; i < count; ++i)
     for (int64_t j = 0; j < ds; ++j) coords[j * kBlock + i] = x[(i0 + i) * ds + j];
-  v16 best[kVectors];
-  v16i index[kVectors];
+  vf best[kVectors];
+  vi index[kVectors];
   for (int64_t v = 0; v < kVectors; ++v) {
-    best[v] = v16{} + std::numeric_limits<float>::infinity();
-    index[v] = v16i{};
+    best[v] = vf{} + std::numeric_limits<float>::infinity();
+    index[v] = vi{};
   }
   for (int64_t c = 0; c < p.k; ++c) {
     const float* centroid = cent + c * ds;
     for (int64_t v = 0; v < kVectors; ++v) {
-      const v16 diff0 = jaxlongctx::load(coords + v * kLanes) - centroid[0];
-      v16 d = diff0 * diff0;
+      const vf diff0 = jaxlongctx::load(coords + v * kLanes) - centroid[0];
+      vf d = diff0 * diff0;
       for (int64_t j = 1; j < ds; ++j) {
-        const v16 diff = jaxlongctx::load(coords + j * kBlock + v * kLanes) - centroid[j];
+        const vf diff = jaxlongctx::load(coords + j * kBlock + v * kLanes) - centroid[j];
         d = d + diff * diff;
       }
-      const v16i closer = d < best[v];
+      const vi closer = d < best[v];
       best[v] = closer ? d : best[v];
-      index[v] = closer ? v16i{} + static_cast<int32_t>(c) : index[v];
+      index[v] = closer ? vi{} + static_cast<int32_t>(c) : index[v];
     }
   }
   for (int64_t i = 0; i < count; ++i) {

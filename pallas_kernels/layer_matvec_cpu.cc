@@ -28,8 +28,8 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxlongctx::kLanes, jaxlongctx::load, jaxlongctx::round_to_bf16, jaxlongctx::sum, jaxlongctx::v16,
-    jaxlongctx::v16u, jaxlongctx::widen;
+using jaxlongctx::kLanes, jaxlongctx::load, jaxlongctx::round_to_bf16, jaxlongctx::store, jaxlongctx::sum,
+    jaxlongctx::sums4, jaxlongctx::vf, jaxlongctx::widen;
 
 namespace {
 
@@ -41,6 +41,7 @@ constexpr int64_t kMinBytesPerTask = 1 << 17;  // below this a task is not worth
 
 struct Problem {
   const float* x;
+  const float* x_even_odd;  // transposed bf16: x with each kStep block split into its even, then odd elements
   const void* w;  // this layer's [K N] or [N K] block
   float* y;
   int64_t m, k, n;
@@ -49,22 +50,17 @@ struct Problem {
   float* partials = nullptr;                // [k_chunks, M, N] partial sums of the (in, out) layout
 };
 
-// 32 consecutive weights as two float vectors. float32: the two halves. bf16: the even and the odd
-// elements (one 64-byte load; a bf16 is the high half of its float32), so the sums of a 32-column
-// step are kept in that even/odd order and put back in column order when written out.
-inline void load_pair(const float* p, v16& a, v16& b) {
-  std::memcpy(&a, p, sizeof(a));
-  std::memcpy(&b, p + kLanes, sizeof(b));
+// kStep consecutive weights as two float vectors. float32: the two halves. bf16: the even and the odd
+// elements (one load, widened in registers by a shift and a mask), so the sums of a kStep-column step
+// are kept in that even/odd order and put back in column order when written out.
+inline void load_pair(const float* p, vf& a, vf& b) {
+  a = load(p);
+  b = load(p + kLanes);
 }
 
-inline void load_pair(const uint16_t* p, v16& even, v16& odd) {
-  v16u u;
-  std::memcpy(&u, p, sizeof(u));
-  even = (v16)(u << 16);
-  odd = (v16)(u & 0xFFFF0000u);
-}
+inline void load_pair(const uint16_t* p, vf& even, vf& odd) { jaxlongctx::load_even_odd(p, even, odd); }
 
-// Asks for the cache lines of 32 consecutive weights ahead of their use. A layer's matrix is read once
+// Asks for the cache lines of kStep consecutive weights ahead of their use. A layer's matrix is read once
 // per step from memory; with hardware prefetchers alone the bf16 stream stayed latency-bound (about
 // 30 GB/s against 45 GB/s for float32 weights on 2 cores; float32 gained nothing from it).
 template <typename W>
@@ -72,7 +68,7 @@ inline void prefetch_pair(const W* p) {
   for (size_t line = 0; line < kStep * sizeof(W); line += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + line, 0, 3);
 }
 
-// Sums of a 32-column step in column order (see load_pair).
+// Sums of a kStep-column step in column order (see load_pair).
 inline void store_pair(float* out, const float* acc, bool interleaved) {
   if (!interleaved) return (void)std::memcpy(out, acc, kStep * sizeof(float));
   for (int64_t i = 0; i < kLanes; ++i) out[2 * i] = acc[i], out[2 * i + 1] = acc[kLanes + i];
@@ -86,7 +82,7 @@ void run_block(const Problem& p, int64_t t, float* acc) {
   const int64_t kc = t / p.column_blocks, cb = t % p.column_blocks;
   const int64_t k0 = kc * p.k / p.k_chunks, k1 = (kc + 1) * p.k / p.k_chunks;
   const int64_t c0 = cb * kColumns, c1 = std::min(p.n, c0 + kColumns), width = c1 - c0;
-  const int64_t vw = width / kStep * kStep;  // columns done in 32-column steps; the rest scalar
+  const int64_t vw = width / kStep * kStep;  // columns done in kStep-column steps; the rest scalar
   std::fill(acc, acc + p.m * width, 0.0f);
   int64_t kk = k0;
   for (; kk + kUnroll <= k1; kk += kUnroll) {  // kUnroll weight rows per pass over the sums
@@ -96,7 +92,7 @@ void run_block(const Problem& p, int64_t t, float* acc) {
       for (int64_t u = 0; u < kUnroll; ++u) xr[u] = p.x[r * p.k + kk + u];
       float* a = acc + r * width;
       for (int64_t j = 0; j < vw; j += kStep) {
-        v16 s0, s1, w0, w1;
+        vf s0, s1, w0, w1;
         load_pair(a + j, s0, s1);
         for (int64_t u = 0; u < kUnroll; ++u) {
           if constexpr (sizeof(W) == 2) prefetch_pair(row + (kUnroll + u) * p.n + j);  // the next pass
@@ -104,8 +100,8 @@ void run_block(const Problem& p, int64_t t, float* acc) {
           s0 += xr[u] * w0;
           s1 += xr[u] * w1;
         }
-        std::memcpy(a + j, &s0, sizeof(s0));
-        std::memcpy(a + j + kLanes, &s1, sizeof(s1));
+        store(a + j, s0);
+        store(a + j + kLanes, s1);
       }
       for (int64_t j = vw; j < width; ++j)
         for (int64_t u = 0; u < kUnroll; ++u) a[j] += xr[u] * widen(row[u * p.n + j]);
@@ -117,13 +113,13 @@ void run_block(const Problem& p, int64_t t, float* acc) {
       const float xr = p.x[r * p.k + kk];
       float* a = acc + r * width;
       for (int64_t j = 0; j < vw; j += kStep) {
-        v16 s0, s1, w0, w1;
+        vf s0, s1, w0, w1;
         load_pair(a + j, s0, s1);
         load_pair(row + j, w0, w1);
         s0 += xr * w0;
         s1 += xr * w1;
-        std::memcpy(a + j, &s0, sizeof(s0));
-        std::memcpy(a + j + kLanes, &s1, sizeof(s1));
+        store(a + j, s0);
+        store(a + j + kLanes, s1);
       }
       for (int64_t j = vw; j < width; ++j) a[j] += xr * widen(row[j]);
     }
@@ -139,22 +135,67 @@ void run_block(const Problem& p, int64_t t, float* acc) {
 }
 
 // Weight rows [n0, n1) in the transposed layout: each output is a dot of x's row with a weight row.
+// Four weight rows at a time, each with an even and an odd accumulator (eight independent chains of
+// fused multiply-adds), their lane sums reduced together; every row of x reuses the four weight rows
+// from L1. bf16 rows are widened in registers (`load_pair`) against x split the same way (x_even_odd).
 template <typename W>
 void run_tile_transposed(const Problem& p, int64_t t) {
   const W* w = static_cast<const W*>(p.w);
+  const float* xs = sizeof(W) == 2 ? p.x_even_odd : p.x;  // [M K], in load_pair's element order
   const int64_t n0 = t * kTransposedTile, n1 = std::min(p.n, n0 + kTransposedTile);
-  const int64_t kv = p.k / kLanes * kLanes;
-  for (int64_t c = n0; c < n1; ++c) {
+  const int64_t kv = p.k / kStep * kStep;  // the rest scalar
+  int64_t c = n0;
+  for (; c + 4 <= n1; c += 4) {
+    const W* rows[4] = {w + c * p.k, w + (c + 1) * p.k, w + (c + 2) * p.k, w + (c + 3) * p.k};
+    for (int64_t r = 0; r < p.m; ++r) {
+      const float* xr = xs + r * p.k;
+      vf even[4] = {}, odd[4] = {};
+      for (int64_t kk = 0; kk < kv; kk += kStep) {
+        const vf x0 = load(xr + kk), x1 = load(xr + kk + kLanes);
+        for (int64_t u = 0; u < 4; ++u) {
+          vf a, b;
+          load_pair(rows[u] + kk, a, b);
+          even[u] += x0 * a;
+          odd[u] += x1 * b;
+        }
+      }
+      float s[4];
+      sums4(even[0] + odd[0], even[1] + odd[1], even[2] + odd[2], even[3] + odd[3], s);
+      for (int64_t u = 0; u < 4; ++u) {
+        for (int64_t kk = kv; kk < p.k; ++kk) s[u] += p.x[r * p.k + kk] * widen(rows[u][kk]);
+        p.y[r * p.n + c + u] = s[u];
+      }
+    }
+  }
+  for (; c < n1; ++c) {
     const W* row = w + c * p.k;
     for (int64_t r = 0; r < p.m; ++r) {
-      const float* xr = p.x + r * p.k;
-      v16 acc = {};
-      for (int64_t kk = 0; kk < kv; kk += kLanes) acc += load(xr + kk) * load(row + kk);
-      float s = sum(acc);
-      for (int64_t kk = kv; kk < p.k; ++kk) s += xr[kk] * widen(row[kk]);
+      const float* xr = xs + r * p.k;
+      vf even = {}, odd = {};
+      for (int64_t kk = 0; kk < kv; kk += kStep) {
+        vf a, b;
+        load_pair(row + kk, a, b);
+        even += load(xr + kk) * a;
+        odd += load(xr + kk + kLanes) * b;
+      }
+      float s = sum(even + odd);
+      for (int64_t kk = kv; kk < p.k; ++kk) s += p.x[r * p.k + kk] * widen(row[kk]);
       p.y[r * p.n + c] = s;
     }
   }
+}
+
+// x [M K] with each full kStep block split into its even elements, then its odd ones (the order in which
+// `load_pair` widens a bf16 block); the tail past the last full block is left out (read from x).
+std::vector<float> split_even_odd(const float* x, int64_t m, int64_t k) {
+  std::vector<float> out(m * k, 0.0f);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b + kStep <= k; b += kStep)
+      for (int64_t i = 0; i < kLanes; ++i) {
+        out[r * k + b + i] = x[r * k + b + 2 * i];
+        out[r * k + b + kLanes + i] = x[r * k + b + 2 * i + 1];
+      }
+  return out;
 }
 
 using Runner = void (*)(const Problem&, int64_t, float*);
@@ -166,7 +207,7 @@ Runner runner(bool transposed) {
 }
 
 // One weight matrix's problem and its tasks: x times layer `l` of the stack `w`, into y.
-ffi::ErrorOr<Problem> plan(const float* x, int64_t m, int64_t k, int64_t l, ffi::AnyBuffer w,
+ffi::ErrorOr<Problem> plan(const float* x, const float* x_even_odd, int64_t m, int64_t k, int64_t l, ffi::AnyBuffer w,
                            ffi::Result<ffi::AnyBuffer> y, bool transposed, int64_t threads, int64_t& tasks,
                            std::vector<float>& partials) {
   const auto wd = w.dimensions(), yd = y->dimensions();
@@ -180,7 +221,7 @@ ffi::ErrorOr<Problem> plan(const float* x, int64_t m, int64_t k, int64_t l, ffi:
   if (l < 0 || l >= wd[0]) return ffi::Unexpected(ffi::Error::InvalidArgument("layer_matvec: layer out of range"));
   const int64_t item = w.element_type() == ffi::DataType::BF16 ? 2 : 4;
   const char* base = static_cast<const char*>(w.untyped_data()) + l * k * n * item;
-  Problem p{x, base, static_cast<float*>(y->untyped_data()), m, k, n, transposed};
+  Problem p{x, x_even_odd, base, static_cast<float*>(y->untyped_data()), m, k, n, transposed};
   if (transposed) {
     tasks = (n + kTransposedTile - 1) / kTransposedTile;
   } else {  // split K so that each thread streams its own contiguous rows; one partial [M, N] per chunk
@@ -250,6 +291,8 @@ ffi::Error LayerMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     bytes += w->size_bytes() / std::max<int64_t>(1, w->dimensions()[0]);
   }
   const int64_t threads = std::min<int64_t>(pool.num_threads(), std::max<int64_t>(1, bytes / kMinBytesPerTask));
+  const bool bf16 = stacks[0].element_type() == ffi::DataType::BF16;
+  const std::vector<float> x_even_odd = transposed && bf16 ? split_even_odd(input, m, k) : std::vector<float>();
   std::vector<Problem> problems;
   std::vector<int64_t> first_task{0};  // problem i runs global tasks [first_task[i], first_task[i + 1])
   std::vector<std::vector<float>> partials(count);
@@ -257,12 +300,11 @@ ffi::Error LayerMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     auto y = results.get<ffi::AnyBuffer>(i);
     if (!y.has_value()) return y.error();
     int64_t tasks = 0;
-    auto p = plan(input, m, k, l, stacks[i], *y, transposed, threads, tasks, partials[i]);
+    auto p = plan(input, x_even_odd.data(), m, k, l, stacks[i], *y, transposed, threads, tasks, partials[i]);
     if (!p.has_value()) return p.error();
     problems.push_back(*p);
     first_task.push_back(first_task.back() + tasks);
   }
-  const bool bf16 = stacks[0].element_type() == ffi::DataType::BF16;
   const Runner run = bf16 ? runner<uint16_t>(transposed) : runner<float>(transposed);
   const int64_t acc_size = transposed ? 0 : m * kColumns;  // each thread's partial sums (in, out layout)
   jaxlongctx::run_tasks<std::vector<float>>(

@@ -4,6 +4,11 @@ A kernel's source (`pallas_kernels/*_cpu.cc`) is compiled with the C++ compiler 
 against JAX's FFI headers and the shared headers beside it (`cpu_tasks.h`) into a per-user cache
 (`$JAXLONGCTX_KERNEL_CACHE`, default `~/.cache/jaxlongctx/kernels`), keyed by the source and those
 headers, the jaxlib version, the CPU's instruction-set flags and the compiler flags, and its handler is registered with XLA once per process.
+
+Kernels are built for this CPU (`-march=native`): the instruction-set tier (AVX-512, AVX/AVX2, or the
+128-bit base tier) is chosen at compile time in `cpu_vector_math.h`. `$JAXLONGCTX_KERNEL_MARCH` builds
+for another `-march` instead (e.g. `x86-64`, the base tier, or `x86-64-v3`, AVX2): the tests run every
+tier this CPU can execute that way, and `compile_check` compiles a tier it cannot (AVX-512 anywhere).
 `build_and_register(source, symbol, target)` returns None when the kernel is ready, else why it is
 not (no compiler, a failed build): callers then keep their XLA path.
 """
@@ -22,7 +27,10 @@ from pathlib import Path
 import jax
 import jaxlib
 
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC")
+COMMON_FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC")
+MARCH_ENV = "JAXLONGCTX_KERNEL_MARCH"
+# The -march of the AVX-512 tier with the extensions the PQ kernel uses (a compile check where it cannot run).
+AVX512_MARCH = ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vbmi")
 _LOADED: list[ctypes.CDLL] = []  # built libraries, kept mapped for the life of the process
 
 
@@ -43,6 +51,30 @@ def _cpu_fingerprint() -> str:
     return f"{platform.machine()} {cpuinfo('flags', 'Features')}"
 
 
+def march() -> str:
+    """The -march the kernels are built for: `$JAXLONGCTX_KERNEL_MARCH`, default `native` (this CPU)."""
+    return os.environ.get(MARCH_ENV) or "native"
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags of a kernel library for `march()`."""
+    return (*COMMON_FLAGS, f"-march={march()}", "-shared")
+
+
+def compiler() -> str:
+    """The C++ compiler: `$CXX`, default `g++`."""
+    return os.environ.get("CXX", "g++")
+
+
+def compile_check(source: Path, march_flags: tuple[str, ...] = AVX512_MARCH) -> str | None:
+    """Compile `source` to an object file for another instruction-set tier (not linked, not loaded: the
+    CPU need not run it); None on success, else the compiler's errors."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [compiler(), *COMMON_FLAGS, *march_flags, f"-I{jax.ffi.include_dir()}", f"-I{source.parent}"]
+        done = subprocess.run([*cmd, "-c", str(source), "-o", f"{tmp}/out.o"], capture_output=True, text=True)
+    return done.stderr.strip() if done.returncode else None
+
+
 def cache_dir() -> Path:
     """Where built kernels are kept between processes."""
     return Path(
@@ -59,7 +91,7 @@ def build(source: Path, compiler: str) -> Path:
                 *(header.read_bytes() for header in sorted(source.parent.glob("*.h"))),
                 jaxlib.__version__.encode(),
                 _cpu_fingerprint().encode(),
-                " ".join(FLAGS).encode(),
+                " ".join(flags()).encode(),
             ]
         )
     ).hexdigest()[:16]
@@ -71,7 +103,7 @@ def build(source: Path, compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=cache, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{source.parent}", str(source), "-o", tmp]
+        cmd = [compiler, *flags(), f"-I{jax.ffi.include_dir()}", f"-I{source.parent}", str(source), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
@@ -85,11 +117,11 @@ def build(source: Path, compiler: str) -> Path:
 def build_and_register(source: Path, symbol: str, target: str) -> str | None:
     """Build `source` and register its handler `symbol` as the CPU FFI target `target` (call it once per
     process: each kernel module caches it); None on success, else why the kernel is unavailable."""
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler {compiler!r} on PATH (set CXX)"
+    cxx = compiler()
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler {cxx!r} on PATH (set CXX)"
     try:
-        handle = ctypes.CDLL(str(build(source, compiler)))
+        handle = ctypes.CDLL(str(build(source, cxx)))
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as err:
         return f"building {source.name} failed: {err}"

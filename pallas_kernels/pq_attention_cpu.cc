@@ -46,7 +46,6 @@
 #endif
 
 namespace ffi = xla::ffi;
-using jaxlongctx::load;
 using jaxlongctx::v16;
 using jaxlongctx::v16i;
 using jaxlongctx::widen;
@@ -106,6 +105,8 @@ inline v16i widen_codes(const uint8_t* p) {  // 16 codes -> 16 int32 indices
   return __builtin_convertvector(b, v16i);
 #endif
 }
+
+inline v16 load(const float* p) { return jaxlongctx::load<v16>(p); }  // 16 lanes on every tier
 
 inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
 

@@ -42,7 +42,8 @@ def bf16_register_path(sub_dim: int) -> bool:
     """Whether bf16 queries over packed codes of `sub_dim` dims are scored in bf16 here: ds 1 and 2 on a
     CPU with AVX512-BF16 (the kernel is built with -march=native); elsewhere they take the fp32 path."""
     flags = native_build.cpuinfo("flags").split()
-    return sub_dim in (1, 2) and "avx512_bf16" in flags and "avx512bw" in flags
+    native = native_build.march() == "native"  # a build for another -march has that tier's paths
+    return native and sub_dim in (1, 2) and "avx512_bf16" in flags and "avx512bw" in flags
 
 
 def reads_packed(sub_dim: int) -> bool:
