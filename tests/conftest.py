@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Commands run by the tests (in this process or in the ones it starts) leave the user's disk cache
+# alone; tests/test_disk_cache.py turns the cache on in a folder of its own.
+os.environ["JAXLONGCTX_NO_CACHE"] = "1"
 
 from hf_oracle import FAMILIES, make_hf_model
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -16,8 +17,9 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for cmd in ("demo", "generate", "convert"):
-        assert cmd in out
+    listed = [m[1] for m in re.finditer(r"^ {4}(\S+)", out, re.MULTILINE)]
+    assert {"demo", "generate", "convert", "chat", "eval-ppl"} <= set(listed)
+    assert len(listed) == len(set(listed))  # each command once
 
 
 @pytest.mark.parametrize(
@@ -177,6 +179,8 @@ def test_generate_with_armt_and_pq_options(hf_family_dir, tmp_path, capsys):
                 str(BASE_CODEBOOKS),
                 "--pq-sinks",
                 "2",
+                "--pq-observed",
+                "0",
                 "--stats",
             ]
         )
@@ -187,8 +191,12 @@ def test_generate_with_armt_and_pq_options(hf_family_dir, tmp_path, capsys):
     argv = ["generate", "--ckpt", str(BASE_MODEL), "--ids", "5 6", "--kv-cache", "pq"]
     assert main([*argv, "--codebooks", str(BASE_CODEBOOKS), "--pq-observed", "-1"]) == 2
     assert "observed must be an int >= 0" in capsys.readouterr().err
+    assert main([*argv, "--codebooks", str(BASE_CODEBOOKS)]) == 0
+    explicit = capsys.readouterr().out
+    assert main(argv) == 0  # the codebooks shipped for the shipped model, found by its fingerprint
+    assert capsys.readouterr().out == explicit
     assert main(["generate", "--ckpt", str(src), "--ids", "5", "--kv-cache", "pq"]) == 2
-    assert "--codebooks is needed" in capsys.readouterr().err
+    assert "needs --codebooks for this model" in capsys.readouterr().err
 
 
 def test_convert_command_and_errors(hf_family_dir, tmp_path, capsys):

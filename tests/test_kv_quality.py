@@ -13,7 +13,7 @@ import jaxlongctx
 from jaxlongctx.cache_choice import PQKV, DenseKV, add_kv_cache_arguments, kv_cache_from_args
 from jaxlongctx.checkpoint import save_model
 from jaxlongctx.commands.calibrate import add_calibrate_arguments, run_calibrate
-from jaxlongctx.commands.eval_ppl import add_eval_kv_arguments, add_eval_ppl_arguments, run_eval_kv
+from jaxlongctx.commands.eval_ppl import add_eval_kv_arguments, add_eval_ppl_arguments, run_eval_ppl
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.kv_quality import kv_perplexity, kv_transform
 from jaxlongctx.kvcache import fake_quantize
@@ -124,16 +124,24 @@ def test_calibrate_cli_and_pq_perplexity(model, ckpt, codebooks_dir):
             "2",
         ]
     )
-    assert run_eval_kv(args)["kv"] == "pq"
-    with pytest.raises(ValueError, match="--codebooks is needed"):
-        run_eval_kv(p.parse_args(["--ckpt", str(ckpt), "--kv", "pq"]))
+    result = run_eval_ppl(args)
+    assert result["kv"] == "pq" and result["ppl_change"] == pytest.approx(
+        result["ppl"] / result["dense_ppl"] - 1
+    )
+    with pytest.raises(ValueError, match="needs --codebooks for this model"):
+        run_eval_ppl(p.parse_args(["--ckpt", str(ckpt), "--kv", "pq"]))
+    with pytest.raises(ValueError, match="go with --kv-cache pq"):
+        run_eval_ppl(p.parse_args(["--ckpt", str(ckpt), "--codebooks", str(codebooks_dir)]))
 
 
 def test_generate_kv_cache_options(model, ckpt, codebooks_dir):
     p = argparse.ArgumentParser()
     add_kv_cache_arguments(p)
     cache = kv_cache_from_args(
-        p.parse_args(["--kv-cache", "pq", "--codebooks", str(codebooks_dir), "--pq-window", "16"]), model
+        p.parse_args(
+            ["--kv-cache", "pq", "--codebooks", str(codebooks_dir), "--pq-window", "16", "--pq-bare"]
+        ),
+        model,
     )
     assert isinstance(cache, PQKV) and cache.window == 16
     out = jaxlongctx.generate(
@@ -148,5 +156,56 @@ def test_generate_kv_cache_options(model, ckpt, codebooks_dir):
     other = jaxlongctx.Model.init(CFG, seed=4)
     with pytest.raises(ValueError, match="were made for model"):
         kv_cache_from_args(p.parse_args(["--kv-cache", "pq", "--codebooks", str(codebooks_dir)]), other)
-    with pytest.raises(ValueError, match="--codebooks is needed"):
+    with pytest.raises(ValueError, match="needs --codebooks for this model"):
         kv_cache_from_args(p.parse_args(["--kv-cache", "pq"]), model)
+    with pytest.raises(ValueError, match="--pq-bare leaves every prompt token coded"):
+        kv_cache_from_args(p.parse_args(["--kv-cache", "pq", "--pq-bare", "--pq-sinks", "2"]), model)
+    default = kv_cache_from_args(p.parse_args(["--kv-cache", "pq", "--codebooks", str(codebooks_dir)]), model)
+    assert (default.keep_prompt_tail_exact, default.sinks, default.observed) == (True, 4, 256)
+    bare = kv_cache_from_args(
+        p.parse_args(["--kv-cache", "pq", "--codebooks", str(codebooks_dir), "--pq-bare"]), model
+    )
+    assert (bare.keep_prompt_tail_exact, bare.sinks, bare.observed) == (False, 0, 0)
+
+
+def test_eval_ppl_text_matches_perplexity_and_pq_cache_options(tmp_path, monkeypatch, capsys):
+    """`eval-ppl --text FILE` (and `-`) on the shipped model equals `perplexity` over the file's tokens; with
+    `--kv-cache pq` (its shipped codebooks) every token kept exact gives the dense perplexity back, and
+    the default cache reports its bits and the change against dense on the same windows."""
+    import io
+    import json
+
+    from jaxlongctx.cli import main
+    from jaxlongctx.data.corpus import load_corpus
+    from jaxlongctx.demo import BASE_MODEL
+
+    text = "\n\n".join(load_corpus()["validation"][6:30])
+    path = tmp_path / "notes.txt"
+    path.write_text(text)
+    model = jaxlongctx.load(BASE_MODEL)
+    tokens = np.asarray(model.tokenizer.encode(text).ids)
+    assert 300 < tokens.size < 2000
+    want = perplexity(model.module, tokens, 128, 4)["ppl"]
+
+    def eval_ppl(*argv: str) -> dict:
+        assert (
+            main(["eval-ppl", "--model", str(BASE_MODEL), "--context", "128", "--batch-size", "4", *argv])
+            == 0
+        )
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    assert eval_ppl("--text", str(path))["ppl"] == pytest.approx(want, rel=1e-6)
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    assert eval_ppl("--text", "-")["ppl"] == pytest.approx(want, rel=1e-6)
+    exact = eval_ppl(
+        "--text", str(path), "--kv-cache", "pq", "--pq-window", "1", "--pq-sinks", "128", "--pq-observed", "0"
+    )
+    assert exact["ppl"] == pytest.approx(want, rel=1e-4) and exact["dense_ppl"] == pytest.approx(
+        want, rel=1e-6
+    )
+    pq = eval_ppl("--text", str(path), "--kv-cache", "pq", "--pq-window", "16", "--pq-observed", "8")
+    assert pq["observed"] == 8 and pq["sinks"] == 4 and pq["dense_ppl"] == pytest.approx(want, rel=1e-6)
+    assert pq["ppl"] != pytest.approx(want, rel=1e-4) and abs(pq["ppl_change"]) < 0.2
+    assert 4 < pq["bits_per_element"] < 16
+    assert main(["eval-ppl", "--model", str(BASE_MODEL), "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "missing.txt is not a file" in capsys.readouterr().err

@@ -216,10 +216,37 @@ def test_generation_with_every_prompt_token_pinned_is_dense_greedy(model):
     out = jaxlongctx.generate(model, ids, params, cache=PQKV(cb, window=8, sinks=12))
     np.testing.assert_array_equal(out, dense)
     assert not np.array_equal(jaxlongctx.generate(model, ids, params, cache=PQKV(cb, window=1)), dense)
-    with pytest.raises(ValueError, match="observed needs prompts of more than"):
-        jaxlongctx.generate(model, ids, params, cache=PQKV(cb, observed=4))
+    # the defaults (tail exact in a 128-token window; a prompt this short has no observed tokens)
+    np.testing.assert_array_equal(jaxlongctx.generate(model, ids, params, cache=PQKV(cb)), dense)
+    assert not np.array_equal(jaxlongctx.generate(model, ids, params, cache=PQKV.bare(cb, window=1)), dense)
     with pytest.raises(ValueError, match="sinks must be an int"):
         PQKV(cb, sinks=-1)
+
+
+def test_pq_defaults_keep_answers_and_bare_is_the_reference(model):
+    """`PQKV(cb)` keeps sinks, observed tokens and the prompt's tail exact; `PQKV.bare` keeps none. In a
+    batch, a prompt too short to be observed has none while a long one has its own: each row decodes
+    as it does alone."""
+    cb = kv_codebooks(model, "layer")
+    default, bare = PQKV(cb), PQKV.bare(cb)
+    assert (default.window, default.keep_prompt_tail_exact, default.sinks, default.observed) == (
+        128,
+        True,
+        4,
+        256,
+    )
+    assert (bare.window, bare.keep_prompt_tail_exact, bare.sinks, bare.observed) == (128, False, 0, 0)
+    rng = np.random.default_rng(8)
+    ids = rng.integers(3, 97, (2, 90)).astype(np.int32)
+    mask = np.ones_like(ids, bool)
+    mask[0, :80] = False  # row 0: 10 tokens, fewer than the observing ones
+    params = SamplingParams(12, stop_ids=())
+    cache = PQKV(cb, window=8, sinks=2, observed=6)
+    out = jaxlongctx.generate(model, ids, params, cache=cache, attention_mask=mask)
+    short = jaxlongctx.generate(model, ids[:1, 80:], params, cache=cache)
+    long = jaxlongctx.generate(model, ids[1:], params, cache=cache)
+    np.testing.assert_array_equal(out[0, 90:], short[0, 10:])
+    np.testing.assert_array_equal(out[1], long[0])
 
 
 def test_greedy_pq_generation_300_steps_across_flushes(model):

@@ -385,6 +385,11 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def codebooks_fingerprint(path: str | Path) -> str:
+    """The model fingerprint recorded in the codebooks at `path` ("" if none), read without their arrays."""
+    return str(_read_meta(Path(path))["metadata"].get("model_fingerprint", ""))
+
+
 def load_codebooks(path: str | Path, expected_fingerprint: str | None = None) -> Codebooks:
     """Read codebooks written by save_codebooks; ValueError on fingerprint mismatch or bad files."""
     import orbax.checkpoint as ocp

@@ -1,5 +1,5 @@
 """Codebooks tied to a model: the model fingerprint recorded in them, the check that they fit a model,
-and loading them for one."""
+loading them for one, and the calibrated codebooks shipped with the package."""
 
 from __future__ import annotations
 
@@ -11,10 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlongctx.kvcache.codebooks import Codebooks, load_codebooks
+from jaxlongctx.kvcache.codebooks import Codebooks, codebooks_fingerprint, load_codebooks
 from jaxlongctx.model.model import Model
 
 FINGERPRINT_SAMPLES = 4096  # parameter values hashed per leaf (evenly strided)
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+# Codebooks shipped for the models they were calibrated on (found by the model's fingerprint):
+# SmolLM2-135M-Instruct: 4-bit ds 1 per layer, attention-weighted, from 8K tokens of the calibration
+# split (`jaxlongctx calibrate --ds 1 --bits 4 --granularity layer --weighting attention --seq-len 8192
+# --max-tokens 8192 --points-per-centroid 1024`); the shipped tiny base model: 8-bit ds 2, shared.
+SHIPPED_CODEBOOKS = (ASSETS / "smollm2_pq_ds1_4bit", ASSETS / "base_model_pq_ds2")
 
 
 def model_fingerprint(model: Model) -> str:
@@ -54,3 +60,13 @@ def load_codebooks_for(model: Model, path: str | Path) -> Codebooks:
     codebooks = load_codebooks(path, expected_fingerprint=model_fingerprint(model))
     check_codebooks(model, codebooks)
     return codebooks
+
+
+def shipped_codebooks(model: Model) -> Codebooks | None:
+    """The codebooks shipped with the package for `model` (SmolLM2-135M-Instruct, the shipped base
+    model), or None when none were calibrated on it."""
+    fingerprint = model_fingerprint(model)
+    for path in SHIPPED_CODEBOOKS:
+        if path.is_dir() and codebooks_fingerprint(path) == fingerprint:
+            return load_codebooks_for(model, path)
+    return None

@@ -75,31 +75,52 @@ def perplexity(
     batch_size: int = 8,
     kv_transform: KVTransform | None = None,
     exact_recent: int = 0,
+    progress: bool = False,
 ) -> dict[str, float]:
     """Mean NLL (nats/token) and perplexity over every token of `tokens`, in windows of `context`
     (`kv_transform` and `exact_recent`: see `forward_with_kv_transform`)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    tokens = np.asarray(tokens)
-    if tokens.size and int(tokens.max()) >= module.config.vocab_size:
-        raise ValueError(
-            f"the text holds token id {int(tokens.max())} but the model's vocabulary has "
-            f"{module.config.vocab_size} ids: the tokenizer does not belong to this model"
-        )
-    windows = eval_windows(tokens, context)
     graphdef, params = nnx.split(module)
     step = jax.jit(
         lambda p, ids, mask: token_nll(nnx.merge(graphdef, p), ids, mask, kv_transform, exact_recent)
     )
+    return windows_perplexity(
+        lambda ids, mask: step(params, ids, mask),
+        tokens,
+        context,
+        module.config.vocab_size,
+        batch_size,
+        progress,
+    )
+
+
+def windows_perplexity(
+    step: Callable[[jnp.ndarray, jnp.ndarray], tuple[jnp.ndarray, jnp.ndarray]],
+    tokens: np.ndarray,
+    context: int,
+    vocab_size: int,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> dict[str, float]:
+    """Mean NLL and perplexity over every token of `tokens` in windows of `context`, batches of windows
+    ids/mask `[batch_size, context + 1]` scored by `step` -> (summed NLL, predicted tokens)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    tokens = np.asarray(tokens)
+    if tokens.size and int(tokens.max()) >= vocab_size:
+        raise ValueError(
+            f"the text holds token id {int(tokens.max())} but the model's vocabulary has "
+            f"{vocab_size} ids: the tokenizer does not belong to this model"
+        )
+    windows = eval_windows(tokens, context)
     total, count = 0.0, 0.0
     n = windows["ids"].shape[0]
-    for start in range(0, n, batch_size):
+    for start in tqdm(range(0, n, batch_size), desc="perplexity", unit="batch", disable=not progress):
         ids, mask = windows["ids"][start : start + batch_size], windows["mask"][start : start + batch_size]
         if ids.shape[0] < batch_size:  # pad the last batch so there is one compiled shape
             pad = batch_size - ids.shape[0]
             ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)])
             mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), bool)])
-        s, c = step(params, jnp.asarray(ids), jnp.asarray(mask))
+        s, c = step(jnp.asarray(ids), jnp.asarray(mask))
         total, count = total + float(s), count + float(c)
     loss = total / count
     return {"loss": loss, "ppl": math.exp(loss), "tokens": int(count)}
