@@ -15,7 +15,8 @@ commands:
   generate    generate text or ids from a checkpoint or HF model directory
               (dense or PQ KV cache, or ARMT with --armt-segment/--armt-mem)
   chat        chat in the terminal (default: SmolLM2-135M-Instruct), answers streamed
-  convert     import a HF Llama/Mistral/Qwen2/Qwen3 model (safetensors) or a GGUF file, or export one back
+  convert     import a HF Llama/Mistral/Qwen2/Qwen3 model (safetensors), a GGUF file or a published ARMT
+              (--armt-hf), or export one back
   calibrate   train PQ (MILLION) codebooks for a model's keys and values
   eval-ppl    perplexity on held-out text, optionally with fake-quantized K/V
   train-lm    pretrain a small Llama on the built-in corpus
