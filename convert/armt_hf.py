@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -187,21 +188,22 @@ class _BaseView:
         return self._reader.read(self._names[name])
 
 
+def _memory_skeleton(armt: ARMTConfig, config: ModelConfig, dtype: np.dtype) -> Any:
+    """`MemoryParams` of these configs with abstract (shape-only) parameters."""
+    from jaxlongctx.armt.params import MemoryParams
+
+    return nnx.eval_shape(
+        lambda: MemoryParams(
+            armt, config.num_layers, config.hidden_size, 1.0, dtype=dtype, key=jax.random.key(0)
+        )
+    )
+
+
 def _memory_arrays(
     reader: SafetensorsReader, armt: ARMTConfig, config: ModelConfig, target: np.dtype, source: Path
 ) -> dict[str, np.ndarray]:
     """Our memory parameters (pure dict, stacked `[L, ...]`) from the published tensors, shapes checked."""
-    from jaxlongctx.armt.params import MemoryParams
-
-    skeleton = nnx.to_pure_dict(
-        nnx.state(
-            nnx.eval_shape(
-                lambda: MemoryParams(
-                    armt, config.num_layers, config.hidden_size, 1.0, dtype=target, key=jax_key()
-                )
-            )
-        )
-    )
+    skeleton = nnx.to_pure_dict(nnx.state(_memory_skeleton(armt, config, target)))
     out: dict[str, np.ndarray] = {}
     squeezed = ("wb", "bb") if armt.beta_width(config.hidden_size) == 1 else ()
     for ours, template, transpose, per_layer in _memory_rules(armt):
@@ -233,19 +235,11 @@ def _memory_arrays(
     return out
 
 
-def jax_key() -> Any:
-    """A fixed PRNG key (shapes only)."""
-    import jax
-
-    return jax.random.key(0)
-
-
 def read_published(
     directory: str | Path, dtype: str | None = None, given_base: Any = None, *, progress: bool = False
 ) -> Any:
     """An `ARMTModel` (on the default device) from a published directory."""
     from jaxlongctx.armt import ARMTModel
-    from jaxlongctx.armt.params import MemoryParams
     from jaxlongctx.loading import load_tokenizer
 
     source = Path(directory)
@@ -279,22 +273,14 @@ def read_published(
     memory_pure = _memory_arrays(reader, armt, config, target, source)  # small: checked before the base
     params = stack_params(_BaseView(reader, names), config, target, source, progress=progress)
     graphdef, state = nnx.split(abstract_model(config, jnp.dtype(target)))
-    nnx.replace_by_pure_dict(state, {k: _as_jax(v) for k, v in params.items()})
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), params))
     base = nnx.merge(graphdef, state)
-    skeleton = nnx.eval_shape(
-        lambda: MemoryParams(armt, config.num_layers, config.hidden_size, 1.0, dtype=target, key=jax_key())
-    )
+    skeleton = _memory_skeleton(armt, config, target)
     mgraph, mstate = nnx.split(skeleton)
     nnx.replace_by_pure_dict(mstate, {k: jnp.asarray(v) for k, v in memory_pure.items()})
     model = ARMTModel(base, armt, nnx.merge(mgraph, mstate), load_tokenizer(source))
     model.published_config = cfg
     return model
-
-
-def _as_jax(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: _as_jax(v) for k, v in tree.items()}
-    return jnp.asarray(np.asarray(tree))
 
 
 def convert_armt_hf_to_ckpt(

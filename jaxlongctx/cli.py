@@ -281,9 +281,10 @@ COMMANDS = (
     ),
     (
         "convert",
-        "import a HF model (safetensors) or export ours to HF",
-        "Import: --hf-dir DIR or --gguf FILE, --out CKPT [--dtype bf16|fp32]. "
-        "Export: --export CKPT --out HF_DIR. Writes are atomic.",
+        "import a HF model, a GGUF file or a published ARMT, or export ours back",
+        "Import: --hf-dir DIR, --gguf FILE or --armt-hf DIR (a published ARMT checkpoint), --out CKPT "
+        "[--dtype bf16|fp32]. Export: --export CKPT --out HF_DIR, or --export-armt-hf ARMT_CKPT --out DIR. "
+        "Writes are atomic.",
         ("convert.cli:add_arguments",),
         _cmd_convert,
     ),

@@ -49,14 +49,9 @@ def _check_forward(model, f, schedule: str) -> None:
 
 
 PATHS = ("sequential", "vmap", "grouped")
-FAST = {("sw_sink", p) for p in PATHS} | {(n, "sequential") for n in NAMES}
-FAST |= {("nosw_sink", "vmap"), ("sw_sink_heads2", "grouped")}
 
 
-@pytest.mark.parametrize(
-    "name, path",
-    [pytest.param(n, p, marks=() if (n, p) in FAST else pytest.mark.slow) for n in NAMES for p in PATHS],
-)
+@pytest.mark.parametrize("name, path", [(n, p) for n in NAMES for p in PATHS])
 def test_published_fixture_parity(name, path):
     """Logits (unpadded, right-padded real positions) and the unpadded row's final A and z of the
     reference on the sequential schedule, the diagonal pipeline (vmapped cells) and the grouped-GEMM
@@ -188,3 +183,24 @@ def test_published_named_base(tmp_path):
     model = jaxlongctx.load(d, base_config=tmp_path / "base")
     logits = model(f["input_ids"], schedule="sequential")
     assert float(jnp.abs(logits - f["logits_nomask"]).max()) <= TOL
+
+
+def test_published_tokenizer_and_chat_template(tmp_path):
+    """The directory's tokenizer files give the model its tokenizer and chat template, and travel
+    through conversion and export."""
+    from tokenizers import Tokenizer, models
+
+    from convert.cli import main
+
+    d = _copy(tmp_path, "nosw_sink")
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(200)}, unk_token="w0")).save(
+        str(d / "tokenizer.json")
+    )
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "w2"}))
+    model = jaxlongctx.load(d)
+    assert model.tokenizer.chat_template == template and model.tokenizer.token_to_id("w7") == 7
+    assert main(["--armt-hf", str(d), "--out", str(tmp_path / "ckpt")]) == 0
+    assert main(["--export-armt-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back")]) == 0
+    back = json.loads((tmp_path / "back" / "tokenizer_config.json").read_text())
+    assert back["chat_template"] == template

@@ -90,6 +90,7 @@ def test_published_grouped_step_equals_sequential():
     assert float(jnp.abs(ls - ld).max()) <= 1e-4 and _rel(sd.wk, ss.wk) <= 1e-6
 
 
+@pytest.mark.slow  # the fixtures pin the reference's options; this checks the others take effect
 def test_version_options_change_the_model():
     """Each version option (spec/armt_published.md 9) changes the logits after segment 0 only where it
     applies, and the window matters."""
@@ -111,7 +112,7 @@ def test_version_options_change_the_model():
             )  # segment 0: no memory yet
 
 
-@pytest.mark.parametrize("schedule", ["diagonal", "sequential"])
+@pytest.mark.parametrize("schedule", ["diagonal", pytest.param("sequential", marks=pytest.mark.slow)])
 def test_published_stream_equals_one_shot(schedule):
     """Streaming carries the window: chunks of any size equal the one-shot call; a new document starts
     without the previous one's window."""

@@ -174,10 +174,10 @@ def _commit(
     state = jax.tree.map(keep, written, state)
     # the next segment's sink row: position 0, sees only itself, reads the new state
     sink = jnp.broadcast_to(sink_row(memory_params).astype(cache.k.dtype), (b, 1, memory.shape[-1]))
-    empty = _empty_cache(model, b, cache.k.dtype)
+    empty = OpenCache(jnp.zeros_like(cache.k), jnp.zeros_like(cache.v))  # laid out like the cache
     visible = jnp.zeros((b, 1, w + S + 2), bool).at[..., -1].set(True)
     _, k, v, _ = _rows_pass(model, params, state, empty, sink, jnp.zeros((b, 1), jnp.int32), visible)
-    new_cache = OpenCache(empty.k.at[:, :, :1].set(k), empty.v.at[:, :, :1].set(v))
+    new_cache = OpenCache(*(jnp.concatenate([x, e[:, :, 1:]], axis=2) for x, e in zip((k, v), empty)))
     return state, jax.tree.map(keep, new_cache, cache)
 
 
