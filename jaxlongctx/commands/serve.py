@@ -9,6 +9,7 @@ SIGTERM or Ctrl-C: new requests are refused (503), those in flight finish, then 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -92,5 +93,8 @@ def run_serve(args: argparse.Namespace) -> None:
         file=sys.stderr,
         flush=True,
     )
+    # uvicorn re-raises the signal that stopped it once it has shut down: for SIGTERM, that is done here
+    signal.signal(signal.SIGTERM, lambda *_: None)
     Server(config).run()
     engine.shutdown()
+    print("stopped", file=sys.stderr)

@@ -235,5 +235,6 @@ def decode_hidden(
 
 def _write_per_row(cache: jnp.ndarray, new: jnp.ndarray, slot: jnp.ndarray) -> jnp.ndarray:
     """`new [L, B, K, 1, hd]` written into `cache [L, B, K, S, hd]` at slot `slot[b]` of each row b."""
-    put = lambda buf, x, s: jax.lax.dynamic_update_slice(buf, x, (0, 0, s, 0))  # one row: [L, K, S, hd]
-    return jax.vmap(put, in_axes=(1, 1, 0), out_axes=1)(cache, new, slot)
+    for b in range(cache.shape[1]):  # one in-place update per row (a vmapped one becomes a copying scatter)
+        cache = jax.lax.dynamic_update_slice(cache, new[:, b : b + 1], (0, b, 0, slot[b], 0))
+    return cache

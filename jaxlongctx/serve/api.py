@@ -75,6 +75,7 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(1, ge=1, le=1)
+    ignore_eos: bool = False  # an extension (as vLLM's): generate max_tokens tokens whatever they are
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -250,6 +251,7 @@ async def _answer(
         top_p=1.0 if body.top_p is None else body.top_p,
         seed=random.randrange(1 << 31) if body.seed is None else body.seed,
         stop=body.stop_strings(),
+        ignore_eos=body.ignore_eos,
     )
     try:
         engine.submit(req)

