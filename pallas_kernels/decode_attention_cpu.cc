@@ -3,7 +3,8 @@
 // One new token per row: its G query heads of kv head k attend over the cached slots of layer `layer`
 // that `visible` marks, and over the token's own key and value (which the cache does not hold yet).
 // XLA's CPU path copies each layer's cache slice out of the stacked cache before its dots; this handler
-// reads the slots where they lie. A task is (row b, kv head k, token split s): it walks its slots in
+// reads the slots where they lie. A task is (row b, kv head k, token split s): it walks its share of the
+// row's slots up to its last visible one (so the splits of a cache that is not yet full stay even) in
 // chunks, scores G heads per slot (dot products of hd), takes the chunk's softmax weights with an
 // online max, and adds the weighted values. The splits' outputs and log-sum-exps are then merged with
 // the own key/value here, so the step's XLA graph has one operation for the whole attention.
@@ -36,6 +37,7 @@ struct Problem {
   const void* k;  // this layer's [B K S hd]
   const void* v;
   const bool* visible;
+  const int64_t* ends;  // [B] one past each row's last visible slot
   float* out;  // [B K P G hd] each split's normalised output
   float* lse;  // [B K P G] and its log-sum-exp (-inf for a split that sees no slot)
   int64_t batch, kv_heads, group, head_dim, slots, splits;
@@ -83,7 +85,7 @@ template <typename T, int64_t Vecs>
 void run_task(const Problem& p, int64_t task, Scratch& scratch) {
   const int64_t s = task % p.splits, k = (task / p.splits) % p.kv_heads, b = task / (p.splits * p.kv_heads);
   const int64_t G = p.group, hd = Vecs * kLanes, vecs = Vecs;
-  const int64_t lo = s * p.slots / p.splits, hi = (s + 1) * p.slots / p.splits;
+  const int64_t end = p.ends[b], lo = s * end / p.splits, hi = (s + 1) * end / p.splits;
   const int64_t head = (b * p.kv_heads + k) * p.slots * hd;  // this (row, kv head)'s first slot
   const T* keys = static_cast<const T*>(p.k) + head;
   const T* values = static_cast<const T*>(p.v) + head;
@@ -218,10 +220,18 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   }
   const int64_t offset = l * B * K * S * hd * (bf16 ? 2 : 4);
   std::vector<float> split_out(B * K * P * G * hd), split_lse(B * K * P * G);
+  std::vector<int64_t> ends(B, 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = S - 1; t >= 0; --t)
+      if (visible.typed_data()[b * S + t]) {
+        ends[b] = t + 1;
+        break;
+      }
   const Problem p{q.typed_data(),
                   static_cast<const char*>(k_cache.untyped_data()) + offset,
                   static_cast<const char*>(v_cache.untyped_data()) + offset,
                   visible.typed_data(),
+                  ends.data(),
                   split_out.data(),
                   split_lse.data(),
                   B, K, G, hd, S, P};
