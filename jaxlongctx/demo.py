@@ -216,11 +216,12 @@ def real_model_answers(
         echo("  (no PQ codebooks ship for this model: dense cache only)")
     else:
         caches.append(PQKV(codebooks))
+        pq = caches[1]
+        bits = codebooks.bits / codebooks.ds
         echo(
-            f"  PQ cache: the shipped codebooks ({codebooks.bits}-bit codes of {codebooks.ds} number: "
-            f"{codebooks.bits / codebooks.ds:g} bits per cached number), the first {caches[1].sinks} tokens, "
-            f"the last {caches[1].window} and {caches[1].observed} the question attends to exact"
+            f"  PQ cache: PQKV(shipped codebooks), {bits:g}-bit codes per number; exact: the first {pq.sinks}"
         )
+        echo(f"            prompt tokens, the last {pq.window} and {pq.observed} the question attends to")
     params = SamplingParams(new_tokens, stop_ids=tok.stop_ids)
     for cache in caches:
         t0 = time.perf_counter()

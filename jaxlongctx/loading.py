@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -141,12 +143,23 @@ def _through_weight_cache(
     if cached is not None:
         return _model_from_arrays(ModelConfig.from_dict(cached[0]), *cached[1:], load_tokenizer(entry), mesh)
     model = convert()
-    if mesh is None:
+    if mesh is None:  # written beside the first answer (the process waits for it before exiting)
         from flax import nnx
 
         arrays = {"/".join(k): np.asarray(v) for k, v in _flat(nnx.to_pure_dict(model.params))}
-        weight_cache.write_entry(entry, source, model.config.to_dict(), arrays, model.tokenizer)
+        args = (entry, source, model.config.to_dict(), arrays, model.tokenizer)
+        threading.Thread(target=_write_cache_entry, args=args, name="jaxlongctx-weight-cache").start()
     return model
+
+
+def _write_cache_entry(entry: Path, *args: Any) -> None:
+    """`weight_cache.write_entry`, a failure only warned about (the cache costs speed, not results)."""
+    from jaxlongctx import weight_cache
+
+    try:
+        weight_cache.write_entry(entry, *args)
+    except OSError as e:
+        print(f"warning: converted weights not cached in {entry.parent} ({e})", file=sys.stderr)
 
 
 def _flat(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:

@@ -77,10 +77,11 @@ def test_second_process_hits_both_caches_and_a_changed_file_is_converted_again(t
     assert second["conversions"] == 0 and second["cache_hits"] >= 2  # prefill and decode step at least
     assert second_text == first_text
 
-    # another version of the file (other weights): two processes start at once, both convert it
+    # another version of the file (other weights): two processes start at once; the first to need the
+    # weights converts them (the other may find them written by then), both answer alike
     write_gguf(gguf, "llama", hf_weights("llama", seed=3), "Q8_0", tokenizer=gpt2_chat_tokenizer(TEXTS))
     both = [finish(p) for p in (start(gguf, cache), start(gguf, cache))]
-    assert [counts["conversions"] for _, counts in both] == [1, 1]
+    assert sorted(counts["conversions"] for _, counts in both) in ([0, 1], [1, 1])
     assert both[0][0] == both[1][0]
     (entry,) = entries(cache)  # the old version's entry is gone
     assert entry.name.startswith(weight_cache.source_fingerprint(gguf))
