@@ -103,6 +103,13 @@ def test_published_round_trip_bit_exact(tmp_path):
     assert sorted(src) == sorted(back)
     for name, t in src.items():
         assert back[name].dtype == t.dtype and np.array_equal(back[name], t), name
+    # bf16, as the authors publish: import cast to bf16, export, and the bf16 files load as bf16
+    assert main(["--armt-hf", str(d), "--out", str(tmp_path / "ckpt16"), "--dtype", "bf16"]) == 0
+    assert main(["--export-armt-hf", str(tmp_path / "ckpt16"), "--out", str(tmp_path / "back16")]) == 0
+    bf16 = load_file(str(tmp_path / "back16" / "model.safetensors"))
+    assert {str(t.dtype) for t in bf16.values()} == {"bfloat16"}
+    assert np.array_equal(bf16["sink"], src["sink"].astype(bf16["sink"].dtype))
+    assert jaxlongctx.load(tmp_path / "back16").dtype == jnp.bfloat16
     original = json.loads((d / "config.json").read_text())
     exported = json.loads((tmp_path / "back" / "config.json").read_text())
     assert {k: v for k, v in exported.items() if k != "dtype"} == {
