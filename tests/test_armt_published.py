@@ -175,7 +175,8 @@ def test_published_bad_tensors_refused_by_name(tmp_path, capsys):
 
 
 def test_published_named_base(tmp_path):
-    """A config naming its base: the built-in table, or an explicit base config for another name."""
+    """A config naming its base: the built-in table, or an explicit base config for another name; the
+    window flag spelled `sliding_window_enabled`."""
     from convert.armt_hf import KNOWN_BASES, base_config
 
     cfg = base_config({"base_model_name": "meta-llama/Llama-3.2-1B"}, "config.json")
@@ -186,8 +187,12 @@ def test_published_named_base(tmp_path):
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "config.json").write_text(json.dumps(inline))
     _edit_config(d, base_model_config=None, base_model_name="org/tiny-base", sliding_window_enabled=True)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["sliding_window"]  # the reference's own save_pretrained spelling alone
+    (d / "config.json").write_text(json.dumps(cfg))
     f = np.load(d / "fixture.npz")
     model = jaxlongctx.load(d, base_config=tmp_path / "base")
+    assert model.armt.sliding_window
     logits = model(f["input_ids"], schedule="sequential")
     assert float(jnp.abs(logits - f["logits_nomask"]).max()) <= TOL
 
