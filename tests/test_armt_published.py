@@ -103,6 +103,13 @@ def test_published_round_trip_bit_exact(tmp_path):
     assert sorted(src) == sorted(back)
     for name, t in src.items():
         assert back[name].dtype == t.dtype and np.array_equal(back[name], t), name
+    # bf16, as the authors publish: import cast to bf16, export, and the bf16 files load as bf16
+    assert main(["--armt-hf", str(d), "--out", str(tmp_path / "ckpt16"), "--dtype", "bf16"]) == 0
+    assert main(["--export-armt-hf", str(tmp_path / "ckpt16"), "--out", str(tmp_path / "back16")]) == 0
+    bf16 = load_file(str(tmp_path / "back16" / "model.safetensors"))
+    assert {str(t.dtype) for t in bf16.values()} == {"bfloat16"}
+    assert np.array_equal(bf16["sink"], src["sink"].astype(bf16["sink"].dtype))
+    assert jaxlongctx.load(tmp_path / "back16").dtype == jnp.bfloat16
     original = json.loads((d / "config.json").read_text())
     exported = json.loads((tmp_path / "back" / "config.json").read_text())
     assert {k: v for k, v in exported.items() if k != "dtype"} == {
@@ -168,7 +175,8 @@ def test_published_bad_tensors_refused_by_name(tmp_path, capsys):
 
 
 def test_published_named_base(tmp_path):
-    """A config naming its base: the built-in table, or an explicit base config for another name."""
+    """A config naming its base: the built-in table, or an explicit base config for another name; the
+    window flag spelled `sliding_window_enabled`."""
     from convert.armt_hf import KNOWN_BASES, base_config
 
     cfg = base_config({"base_model_name": "meta-llama/Llama-3.2-1B"}, "config.json")
@@ -179,8 +187,12 @@ def test_published_named_base(tmp_path):
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "config.json").write_text(json.dumps(inline))
     _edit_config(d, base_model_config=None, base_model_name="org/tiny-base", sliding_window_enabled=True)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["sliding_window"]  # the reference's own save_pretrained spelling alone
+    (d / "config.json").write_text(json.dumps(cfg))
     f = np.load(d / "fixture.npz")
     model = jaxlongctx.load(d, base_config=tmp_path / "base")
+    assert model.armt.sliding_window
     logits = model(f["input_ids"], schedule="sequential")
     assert float(jnp.abs(logits - f["logits_nomask"]).max()) <= TOL
 

@@ -9,6 +9,8 @@
     armt.segmentation = "sentences"                                # cut after sentence ends (needs the tokenizer)
     armt.projections = "grouped_matmul"                            # diagonal products: "auto" | "vmap" | this
     armt.state_bytes(); armt.full_attention_kv_bytes(num_tokens); armt.save(path); ARMTModel.load(path)
+    armt = jaxlongctx.load("published_dir")                        # the authors' HF `armt` format (sink,
+                                                                   # sliding window: ARMTConfig options)
 
 Words: *memory tokens* are the learned embeddings `[M, D]` appended to every segment (their buffer
 rows: memory-token rows); the *memory state* (`MemoryState`: A, z per layer) is the associative memory
@@ -20,7 +22,7 @@ Modules: `config` (ARMTConfig), `memory` (DPFP, read, write), `params` (memory p
 `cell` (one segment through one layer), `segments` (host-side segmentation), `sentences` (segment
 starts after sentence ends), `sequential`,
 `diagonal` (schedules), `projections` (how a diagonal step multiplies by the stacked weights),
-`stream`, `generation`, `model` (ARMTModel).
+`stream`, `generation`, `open_segment` (generation of the published cell), `model` (ARMTModel).
 """
 
 from jaxlongctx.armt.config import ARMTConfig

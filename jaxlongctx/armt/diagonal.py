@@ -2,7 +2,9 @@
 single-layer cell over the stacked layer weights, one diagonal per step.
 
 The pipeline keeps, per layer slot `l`, the segment buffer that layer `l` processes next
-(`h [L, B, R, D]`, its token counts and first flags) and the layer's memory state `A, z`. A step runs the
+(`h [L, B, R, D]`, its token counts and first flags) and the layer's memory state `A, z` (with a sliding
+window also the layer's previous-segment token K/V, which cell (s, l) takes from cell (s - 1, l)
+alone, so the schedule stays exact; spec/armt_published.md 8). A step runs the
 occupied window of layers `[a, b)` (a static slice of the stacked weights), moves every output one
 slot down and emits the segment leaving the last layer to the head. Steps with every layer busy are
 a `jax.lax.scan` in fixed-size chunks; ramp-up and ramp-down steps run only their active layers

@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlongctx.armt.cell import segment_layout, segment_visibility
 from jaxlongctx.armt.generation import _window_rows
@@ -102,7 +104,7 @@ def _prefill(
     cfg, S = model.armt, model.armt.segment_size
     rows = slice(0, S + 1)
     tok = base.embed_ids(ids)
-    sink = jnp.broadcast_to(sink_row(memory_params).astype(tok.dtype), (tok.shape[0], 1, tok.shape[-1]))
+    sink = _rows(sink_row(memory_params), tok.shape[0], tok.dtype, n)
     positions, _ = segment_layout(n, cfg)
     visible, w = _visible(model, rows, n, state)
     visible = jnp.concatenate(
@@ -114,6 +116,15 @@ def _prefill(
     )
     last = base.head(jnp.take_along_axis(h, n[:, None, None], axis=1))[:, 0]
     return last, OpenCache(k, v)
+
+
+def _rows(x: jnp.ndarray, batch: int, dtype: Any, like: jnp.ndarray) -> jnp.ndarray:
+    """Parameter rows `x [T, D]` for every batch row `[B, T, D]`, the batch laid out like `like [B]`."""
+    out = jnp.broadcast_to(x.astype(dtype), (batch, *x.shape))
+    sharding = jax.typeof(like).sharding
+    if sharding.mesh.empty:
+        return out
+    return jax.sharding.reshard(out, NamedSharding(sharding.mesh, P(sharding.spec[0], None, None)))
 
 
 def _empty_cache(model: Any, batch: int, dtype: Any) -> OpenCache:
@@ -166,14 +177,14 @@ def _commit(
     mem_rows = slice(cfg.mem_start, cfg.rows)
     visible, w = _visible(model, mem_rows, full, state)  # [window, buffer rows 0..S (cached), memory rows]
     memory = memory_params.memory[...]
-    h = jnp.broadcast_to(memory.astype(cache.k.dtype), (b, *memory.shape))
+    h = _rows(memory, b, cache.k.dtype, commit)
     _, _, _, written = _rows_pass(model, params, state, cache, h, positions[:, mem_rows], visible, first)
     if cfg.sliding_window:
         written = written._replace(wk=cache.k[:, :, 1:], wv=cache.v[:, :, 1:], wn=jnp.full_like(state.wn, S))
     keep = lambda new, old: jnp.where(commit.reshape((1, -1) + (1,) * (new.ndim - 2)), new, old)
     state = jax.tree.map(keep, written, state)
     # the next segment's sink row: position 0, sees only itself, reads the new state
-    sink = jnp.broadcast_to(sink_row(memory_params).astype(cache.k.dtype), (b, 1, memory.shape[-1]))
+    sink = _rows(sink_row(memory_params), b, cache.k.dtype, commit)
     empty = OpenCache(jnp.zeros_like(cache.k), jnp.zeros_like(cache.v))  # laid out like the cache
     visible = jnp.zeros((b, 1, w + S + 2), bool).at[..., -1].set(True)
     _, k, v, _ = _rows_pass(model, params, state, empty, sink, jnp.zeros((b, 1), jnp.int32), visible)
