@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from pallas_kernels import native_build
 from pallas_kernels.native_build import cpuinfo
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +37,20 @@ def result_name(name: str) -> str:
 
 
 # instruction-set extensions that change which CPU kernels are fast (bf16 dot products, matrix tiles)
-CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+CPU_FEATURES = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512vbmi",
+    "avx512_bf16",
+    "amx_bf16",
+    "amx_tile",
+)
 
 
 def cpu_model() -> dict[str, Any]:
@@ -45,6 +59,7 @@ def cpu_model() -> dict[str, Any]:
     return {
         "cpu": cpuinfo("model name") or platform.processor(),
         "cpu_features": [f for f in CPU_FEATURES if f in flags],
+        "kernel_build": {"march": native_build.march(), "vector_tier": native_build.vector_tier()},
     }
 
 

@@ -112,8 +112,9 @@ def main() -> None:
     _plot(rows)
 
 
-def decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str, float]:
-    """Median seconds for `n` greedy decode steps from a filled cache, ours and `transformers`' side by side."""
+def decode_times(model, hf, ids: np.ndarray, n: int, repeats: int, peers=None) -> dict[str, float]:
+    """Median seconds for `n` greedy decode steps from a filled cache, ours and `transformers`' side by side,
+    and those of `peers` (name -> a call that runs the `n` steps and returns its seconds) in the same rounds."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -125,10 +126,10 @@ def decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str, 
     logits0, cache0 = prefill(weights, jnp.asarray(ids_p), jnp.asarray(mask_p))
     pos0, slot0 = ids.shape[1], ids_p.shape[1]
     key, done = jax.random.key(0), jnp.zeros((1,), bool)
-    t = torch.tensor(ids, dtype=torch.long)
-    with torch.no_grad():
-        first = hf(input_ids=t, use_cache=True)
-    pkv, tok0 = first.past_key_values, first.logits[:, -1:].argmax(-1)
+    if hf is not None:  # None: ours and the peers only
+        with torch.no_grad():
+            first = hf(input_ids=torch.tensor(ids, dtype=torch.long), use_cache=True)
+        pkv, tok0 = first.past_key_values, first.logits[:, -1:].argmax(-1)
 
     def ours() -> float:
         cache, logits = jax.tree.map(jnp.copy, cache0), logits0  # the step donates its cache
@@ -151,11 +152,13 @@ def decode_times(model, hf, ids: np.ndarray, n: int, repeats: int) -> dict[str, 
         pkv.crop(-n)  # back to the prompt for the next repeat
         return elapsed
 
-    ours(), theirs()  # warm-up (compiles our step)
-    samples = {"ours": [], "hf": []}
+    runs = {"ours": ours, **({"hf": theirs} if hf is not None else {}), **(peers or {})}
+    for run in runs.values():  # warm-up (compiles our step)
+        run()
+    samples = {name: [] for name in runs}
     for _ in range(repeats):
-        samples["ours"].append(ours())
-        samples["hf"].append(theirs())
+        for name, run in runs.items():
+            samples[name].append(run())
     return {k: statistics.median(v) for k, v in samples.items()}
 
 

@@ -61,6 +61,16 @@ def flags() -> tuple[str, ...]:
     return (*COMMON_FLAGS, f"-march={march()}", "-shared")
 
 
+def vector_tier() -> str:
+    """The instruction-set tier the kernels are built for (`cpu_vector_math.h`): "AVX-512", "AVX2" (AVX/AVX2)
+    or "base" (128-bit); for `march()` native, this CPU's."""
+    level = {"x86-64": "base", "x86-64-v2": "base", "x86-64-v3": "AVX2", "x86-64-v4": "AVX-512"}.get(march())
+    if level:
+        return level
+    flags = cpuinfo("flags", "Features").split()
+    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx" in flags else "base"
+
+
 def compiler() -> str:
     """The C++ compiler: `$CXX`, default `g++`."""
     return os.environ.get("CXX", "g++")
