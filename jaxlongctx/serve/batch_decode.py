@@ -105,8 +105,26 @@ class BatchDecoder(abc.ABC):
         """Prefill prompt `ids` into `slot`; its first token is chosen by the next `step`."""
 
     @abc.abstractmethod
+    def _step_fn(self, sampled: bool) -> Any:
+        """The jitted step `(*_leading_args(), temperature, top_p, key_data, steps, active, positions,
+        *_trailing_args()) -> (ids [B], logits [B, V], cache)`."""
+
+    def _leading_args(self) -> tuple:
+        return self.weights, self.cache, self.logits
+
+    def _trailing_args(self) -> tuple:
+        return ()
+
     def step(self, active: np.ndarray, positions: np.ndarray, sampling: SlotSampling) -> np.ndarray:
         """Choose every slot's next token and run it through the model; returns the ids `[B]`."""
+        args = (sampling.temperature, sampling.top_p, sampling.key_data, sampling.steps, active, positions)
+        tok, self.logits, self.cache = self._call_step(
+            self._step_fn(sampling.any_sampled),
+            *self._leading_args(),
+            *(self._put(x) for x in args),
+            *self._trailing_args(),
+        )
+        return np.asarray(tok)
 
     def cache_bytes(self) -> int:
         """Bytes of the batched cache."""
@@ -182,18 +200,13 @@ class DenseBatchDecoder(BatchDecoder):
             self._steps[sampled] = jax.jit(step, donate_argnums=(1, 2))
         return self._steps[sampled]
 
+    def _trailing_args(self) -> tuple:
+        return (jnp.int32(self.cursor),)
+
     def step(self, active: np.ndarray, positions: np.ndarray, sampling: SlotSampling) -> np.ndarray:
-        args = (sampling.temperature, sampling.top_p, sampling.key_data, sampling.steps, active, positions)
-        tok, self.logits, self.cache = self._call_step(
-            self._step_fn(sampling.any_sampled),
-            self.weights,
-            self.cache,
-            self.logits,
-            *(self._put(x) for x in args),
-            jnp.int32(self.cursor),
-        )
+        tok = super().step(active, positions, sampling)
         self.cursor = (self.cursor + 1) % self.capacity
-        return np.asarray(tok)
+        return tok
 
 
 class PQBatchDecoder(BatchDecoder):
@@ -283,14 +296,5 @@ class PQBatchDecoder(BatchDecoder):
             self._steps[sampled] = jax.jit(step, donate_argnums=(2, 3))
         return self._steps[sampled]
 
-    def step(self, active: np.ndarray, positions: np.ndarray, sampling: SlotSampling) -> np.ndarray:
-        args = (sampling.temperature, sampling.top_p, sampling.key_data, sampling.steps, active, positions)
-        tok, self.logits, self.cache = self._call_step(
-            self._step_fn(sampling.any_sampled),
-            self.weights,
-            self.codebooks,
-            self.cache,
-            self.logits,
-            *(self._put(x) for x in args),
-        )
-        return np.asarray(tok)
+    def _leading_args(self) -> tuple:
+        return self.weights, self.codebooks, self.cache, self.logits
