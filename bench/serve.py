@@ -5,7 +5,7 @@ at 1, 4, 8 and 16 concurrent clients, dense and PQ caches, beside llama.cpp's Op
 
 Each server runs in a subprocess on 127.0.0.1; the same load generator drives them: C client
 threads, each sending its share of a fixed request mix one after the other (streamed completions;
-the next request once the previous has ended), 2 requests per client and at least 4 per level.
+the next request once the previous has ended), `--requests-per-client` each, at least 4 per level.
 The mix cycles through prompts of 512, 1K, 2K and 4K tokens (corpus text) and 64 to 256 new tokens,
 generated in full (`ignore_eos` here, a -100 logit bias on the end token for llama.cpp), greedy.
 Throughput: generated tokens over the level's wall time; TTFT: from sending to the first text.
@@ -188,7 +188,11 @@ def main() -> None:
     p.add_argument("--peer", choices=["llama.cpp", "none"], default="llama.cpp")
     p.add_argument("--peer-clients", default=None, help="client counts for the peer (default: --clients)")
     p.add_argument("--codebooks", type=Path, default=DEFAULT_CODEBOOKS)
-    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument(
+        "--requests-per-client", type=int, default=2, help="requests per client (at least 4 per level)"
+    )
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="parameter dtype of our server")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     args = p.parse_args()
     use_quick_results(args.quick)
@@ -203,7 +207,7 @@ def main() -> None:
     prompts, news = (QUICK_PROMPT_TOKENS, QUICK_NEW_TOKENS) if args.quick else (PROMPT_TOKENS, NEW_TOKENS)
     context = max(prompts) + max(news) + 64  # template-free prompts re-encode to about their length
     gguf = smollm2_gguf()
-    model = jaxlongctx.load(gguf)
+    model = jaxlongctx.load(gguf, args.dtype)
     mixes = {
         c: request_mix(model.tokenizer, max(4, 2 * c), prompts, news)
         for c in sorted(set(clients + peer_clients))
@@ -237,7 +241,7 @@ def main() -> None:
         extra_args = ["--kv-cache", "pq", "--codebooks", str(args.codebooks)] if kind == "pq" else []
         server = ServerProcess(
             ["--model", str(gguf), "--served-model-name", name, "--max-batch", str(args.max_batch),
-             "--max-context", str(context), *extra_args],
+             "--max-context", str(context), "--dtype", args.dtype, *extra_args],
             workdir / f"{kind}.log", startup_s=600,
         ).wait_ready()  # fmt: skip
         try:

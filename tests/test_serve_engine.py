@@ -28,7 +28,7 @@ ASSETS = "jaxlongctx/assets"
 
 @pytest.fixture(scope="module")
 def base_model():
-    return jaxlongctx.load(f"{ASSETS}/base_model")
+    return jaxlongctx.load(f"{ASSETS}/base_model", "fp32")
 
 
 def _run(engine: Engine, prompts: list[list[int]], max_tokens: list[int], **sampling) -> list[Finished]:

@@ -29,7 +29,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         old="--ckpt",
     )
     p.add_argument(
-        "--served-model-name", default=None, help="the model id clients ask for (default: the file name)"
+        "--served-model-name",
+        default=None,
+        help="the model id clients ask for (default: the file or directory name without .gguf; "
+        "SmolLM2-135M-Instruct for the default model)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -72,7 +75,10 @@ def run_serve(args: argparse.Namespace) -> None:
         raise ValueError("--kv-cache pq applies to full-attention models, not to an ARMT model")
     options = EngineOptions(args.max_batch, args.max_context, args.max_queue, cache)
     engine = Engine(model, options).start()
-    name = args.served_model_name or (path.stem if path.is_file() else path.name)
+    default_name = (
+        "SmolLM2-135M-Instruct" if args.model is None else (path.stem if path.is_file() else path.name)
+    )
+    name = args.served_model_name or default_name
     app = create_app(engine, name, args.api_key)
 
     class Server(uvicorn.Server):

@@ -18,14 +18,19 @@ from pallas_kernels.layer_matvec_cpu import MAX_ROWS, layer_matvec, layer_matvec
 # (`pallas_kernels.layer_matvec_cpu`) instead of XLA's dot on per-layer copies. Read when a step is
 # traced; the decode bench and the tests turn it off to run XLA's path side by side.
 IN_PLACE_DECODE = True
+# Most token rows whose products go through the in-place matvec kernel (more are a GEMM for XLA's dot).
+# Read when a step is traced; the serving engine lowers it to 1 for its batched steps, where XLA's dot
+# was the faster program (4x at 8 rows, SmolLM2 on 2 cores) while the cache is still read in place.
+IN_PLACE_WEIGHT_ROWS = MAX_ROWS
 
 
 def reads_cache_in_place(model: Llama, cache_k: jax.Array, rows: int) -> bool:
-    """Whether a decode step over `rows` token rows reads the weights and the stacked dense cache
-    `cache_k [L, B, K, S, hd]` in place (`pallas_kernels.decode_attention_cpu`)."""
+    """Whether a decode step over `rows` token rows reads the stacked dense cache `cache_k [L, B, K, S, hd]`
+    in place (`pallas_kernels.decode_attention_cpu`)."""
     cfg = model.config
     return (
-        reads_weights_in_place(model.embed[...], rows)
+        _in_place_possible(model.embed[...])
+        and rows <= MAX_ROWS
         and cache_k.dtype in (jnp.float32, jnp.bfloat16)
         and jax.typeof(cache_k).sharding.mesh.empty
         and decode_attention_cpu.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -36,9 +41,13 @@ def reads_cache_in_place(model: Llama, cache_k: jax.Array, rows: int) -> bool:
 def reads_weights_in_place(weights: jax.Array, rows: int) -> bool:
     """Whether a product of `rows` token rows by `weights` (a float32/bf16 array on one CPU device) goes
     through the in-place native kernel: few rows, and the kernel built on this machine."""
+    return _in_place_possible(weights) and rows <= min(MAX_ROWS, IN_PLACE_WEIGHT_ROWS)
+
+
+def _in_place_possible(weights: jax.Array) -> bool:
+    """Whether the native in-place CPU kernels can run next to `weights` (on / on CPU / one device / built)."""
     return (
         IN_PLACE_DECODE
-        and rows <= MAX_ROWS
         and jax.default_backend() == "cpu"
         and weights.dtype in (jnp.float32, jnp.bfloat16)
         and jax.typeof(weights).sharding.mesh.empty
@@ -196,10 +205,10 @@ def decode_hidden(
 ):
     """One decode step over a static cache.
 
-    ids `[B, 1]`, positions `[B, 1]` (RoPE), slot: the cache index the new token is written to, a
-    scalar int (the same for every row) or `[B]` (one per row, as continuous batching needs),
-    cache_k/v `[L, B, K, S, hd]`, key_valid `[B, S]` (already True at `slot`) -> hidden `[B, 1, D]`
-    and the updated caches.
+    ids `[B, 1]`, positions `[B, 1]` (RoPE), slot: scalar int (cache index the new token is written
+    to, the same for every row), cache_k/v `[L, B, K, S, hd]`, key_valid `[B, S]` (already True at
+    `slot`; the other slots it marks may lie anywhere, before or after `slot`, as in the serving
+    engine's ring of slots) -> hidden `[B, 1, D]` and the updated caches.
 
     On CPU (`reads_cache_in_place`) every layer reads its slots from the whole cache in place;
     elsewhere the layer scan takes each layer's cache slice as a scanned input (never carrying the
@@ -208,9 +217,7 @@ def decode_hidden(
     keys/values of all layers go into the (donated) cache in place after the scan.
     """
     cos, sin = model.rope(positions)
-    slot = jnp.asarray(slot)
-    row_slot = slot.reshape(-1, 1)  # [B or 1, 1]
-    visible = key_valid & (jnp.arange(cache_k.shape[3])[None] < row_slot)  # cached tokens before `slot`
+    visible = key_valid & (jnp.arange(cache_k.shape[3]) != slot)[None]  # cached tokens but the new one
     h = model.embed_ids(ids)
     if reads_cache_in_place(model, cache_k, h.shape[0] * h.shape[1]):  # the whole cache, layer i in place
 
@@ -226,15 +233,6 @@ def decode_hidden(
 
         xs = (cache_k, cache_v)
     h, (k_new, v_new) = model.scan_decode_layers(body, h, xs)  # k_new: L B K 1 hd
-    if slot.ndim == 0:
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, slot, 0))
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, 0, slot, 0))
-        return h, cache_k, cache_v
-    return h, _write_per_row(cache_k, k_new, slot), _write_per_row(cache_v, v_new, slot)
-
-
-def _write_per_row(cache: jnp.ndarray, new: jnp.ndarray, slot: jnp.ndarray) -> jnp.ndarray:
-    """`new [L, B, K, 1, hd]` written into `cache [L, B, K, S, hd]` at slot `slot[b]` of each row b."""
-    for b in range(cache.shape[1]):  # one in-place update per row (a vmapped one becomes a copying scatter)
-        cache = jax.lax.dynamic_update_slice(cache, new[:, b : b + 1], (0, b, 0, slot[b], 0))
-    return cache
+    cache_k = jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, slot, 0))
+    cache_v = jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, 0, slot, 0))
+    return h, cache_k, cache_v

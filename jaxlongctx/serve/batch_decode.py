@@ -3,9 +3,9 @@ decodes every slot at once (per-slot positions and sampling), and a freshly pref
 into a free slot between steps.
 
 The caches and the model code are `jaxlongctx.generate`'s: the dense cache's prefill and
-`decode_hidden` (with one write slot per row), the PQ cache's `pq_prefill` and `pq_decode_hidden`
-(which keep per-row lengths already). A slot's row of the cache belongs to its request alone; rows
-of free slots are decoded too (the step has a fixed shape) and overwritten when the slot is taken.
+`decode_hidden`, the PQ cache's `pq_prefill` and `pq_decode_hidden` (which keep per-row lengths
+already). A slot's row of the cache belongs to its request alone; rows of free slots are decoded too
+(the step has a fixed shape) and overwritten when the slot is taken.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from jaxlongctx.decode_loop import bucket_length
 from jaxlongctx.generate import _prefill as dense_prefill
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.kvcache.pq_cache import PQCache
+from jaxlongctx.model import llama
 from jaxlongctx.model.llama import decode_hidden
 from jaxlongctx.model.model import Model
 from jaxlongctx.pq_generate import place_codebooks, pq_decode_hidden, pq_prefill
@@ -88,13 +89,42 @@ class BatchDecoder(abc.ABC):
     def _put(self, x: np.ndarray) -> jax.Array:
         return put_batch(x, self.mesh)
 
+    def _call_step(self, fn: Any, *args: Any) -> Any:
+        """Run a step function; with several slots it is traced with XLA's products for the weights
+        (`IN_PLACE_WEIGHT_ROWS` 1; the cache is still read in place): the in-place matvec kernel is the
+        faster program for one row and was 4x slower than XLA's dot for 8 (SmolLM2, bf16, 2 cores)."""
+        saved = llama.IN_PLACE_WEIGHT_ROWS
+        llama.IN_PLACE_WEIGHT_ROWS = saved if self.batch == 1 else 1
+        try:
+            return fn(*args)
+        finally:
+            llama.IN_PLACE_WEIGHT_ROWS = saved
+
     @abc.abstractmethod
     def admit(self, slot: int, ids: list[int]) -> None:
         """Prefill prompt `ids` into `slot`; its first token is chosen by the next `step`."""
 
     @abc.abstractmethod
+    def _step_fn(self, sampled: bool) -> Any:
+        """The jitted step `(*_leading_args(), temperature, top_p, key_data, steps, active, positions,
+        *_trailing_args()) -> (ids [B], logits [B, V], cache)`."""
+
+    def _leading_args(self) -> tuple:
+        return self.weights, self.cache, self.logits
+
+    def _trailing_args(self) -> tuple:
+        return ()
+
     def step(self, active: np.ndarray, positions: np.ndarray, sampling: SlotSampling) -> np.ndarray:
         """Choose every slot's next token and run it through the model; returns the ids `[B]`."""
+        args = (sampling.temperature, sampling.top_p, sampling.key_data, sampling.steps, active, positions)
+        tok, self.logits, self.cache = self._call_step(
+            self._step_fn(sampling.any_sampled),
+            *self._leading_args(),
+            *(self._put(x) for x in args),
+            *self._trailing_args(),
+        )
+        return np.asarray(tok)
 
     def cache_bytes(self) -> int:
         """Bytes of the batched cache."""
@@ -102,22 +132,33 @@ class BatchDecoder(abc.ABC):
 
 
 class DenseBatchDecoder(BatchDecoder):
-    """Slots over a dense cache `[L, B, K, S, hd]`: a slot's prompt fills slots [0, n) of its row and
-    its decoded tokens follow, the token at position p in slot p."""
+    """Slots over a dense cache `[L, B, K, S, hd]` used as a ring: every step writes all rows' new
+    tokens at one slot, the cursor, which then moves on (as `jaxlongctx.generate` writes one slot per
+    step); a request joining writes its prompt's n tokens into the n slots before the cursor of its
+    row (clearing the rest of it), so its tokens always occupy the (at most S) slots behind the
+    cursor and a write never lands on one of them. Attention does not depend on where a key lies:
+    each carries its RoPE position, and `key_valid` marks the row's own slots."""
 
     def __init__(self, model: Model, batch: int, context: int):
         super().__init__(model, batch, context)
-        self.capacity = bucket_length(context)
+        self.capacity = bucket_length(
+            context
+        )  # >= context: a row holds at most context - 1 tokens before a write
+        self.cursor = 0
         self._prefills: dict[int, Any] = {}
         ids, mask = np.zeros((batch, _WARMUP_WIDTH), np.int32), np.zeros((batch, _WARMUP_WIDTH), bool)
-        mask[:, 0] = True
+        mask[:, 0] = True  # one token per row: finite logits in free rows
         fill = jax.jit(partial(dense_prefill, model, self.capacity))
         self.logits, self.cache = fill(self.weights, self._put(ids), self._put(mask))  # [B, V], the cache
         self._insert = jax.jit(self._insert_row, donate_argnums=(0, 1))
 
-    def _insert_row(self, cache: DenseCache, logits, row: DenseCache, row_logits, b):
-        key_valid = jnp.pad(row.key_valid, ((0, 0), (0, self.capacity - row.capacity)))  # clears the rest
-        row = DenseCache(row.k, row.v, key_valid)
+    def _insert_row(self, cache: DenseCache, logits, row: DenseCache, row_logits, b, start):
+        """Prefilled `row` (slots [0, W)) into row b, its slots rotated to begin at `start`."""
+        pad = self.capacity - row.capacity
+        ring = lambda x, axis: jnp.roll(
+            jnp.pad(x, [(0, 0)] * axis + [(0, pad)] + [(0, 0)] * (x.ndim - axis - 1)), start, axis
+        )
+        row = DenseCache(ring(row.k, 3), ring(row.v, 3), ring(row.key_valid, 1))
         return _write_row(cache, row, DenseCache(1, 1, 0), b), _write_row(logits, row_logits, 0, b)
 
     def admit(self, slot: int, ids: list[int]) -> None:
@@ -126,33 +167,46 @@ class DenseBatchDecoder(BatchDecoder):
         if width not in self._prefills:
             self._prefills[width] = jax.jit(partial(dense_prefill, self.model, width))
         row_logits, row = self._prefills[width](self.weights, self._put(padded), self._put(mask))
-        self.cache, self.logits = self._insert(self.cache, self.logits, row, row_logits, jnp.int32(slot))
+        start = jnp.int32((self.cursor - len(ids)) % self.capacity)
+        self.cache, self.logits = self._insert(
+            self.cache, self.logits, row, row_logits, jnp.int32(slot), start
+        )
 
     def _step_fn(self, sampled: bool):
         if sampled not in self._steps:
             model, capacity = self.model, self.capacity
 
             def step(
-                params, cache: DenseCache, logits, temperature, top_p, key_data, steps, active, positions
+                params,
+                cache: DenseCache,
+                logits,
+                temperature,
+                top_p,
+                key_data,
+                steps,
+                active,
+                positions,
+                slot,
             ):
                 tok = choose_per_slot(sampled, logits, temperature, top_p, key_data, steps)
                 module = model.merge(params)
-                written = active[:, None] & (jnp.arange(capacity)[None] == positions[:, None])
-                key_valid = cache.key_valid | written
+                written = (jnp.arange(capacity) == slot)[None]
+                key_valid = active[:, None] & (cache.key_valid | written)  # free rows: nothing to read
                 h, k, v = decode_hidden(
-                    module, tok[:, None], positions[:, None], positions, cache.k, cache.v, key_valid
+                    module, tok[:, None], positions[:, None], slot, cache.k, cache.v, key_valid
                 )
                 return tok, module.head(h)[:, 0], DenseCache(k, v, key_valid)
 
             self._steps[sampled] = jax.jit(step, donate_argnums=(1, 2))
         return self._steps[sampled]
 
+    def _trailing_args(self) -> tuple:
+        return (jnp.int32(self.cursor),)
+
     def step(self, active: np.ndarray, positions: np.ndarray, sampling: SlotSampling) -> np.ndarray:
-        args = (sampling.temperature, sampling.top_p, sampling.key_data, sampling.steps, active, positions)
-        tok, self.logits, self.cache = self._step_fn(sampling.any_sampled)(
-            self.weights, self.cache, self.logits, *(self._put(x) for x in args)
-        )
-        return np.asarray(tok)
+        tok = super().step(active, positions, sampling)
+        self.cursor = (self.cursor + 1) % self.capacity
+        return tok
 
 
 class PQBatchDecoder(BatchDecoder):
@@ -242,9 +296,5 @@ class PQBatchDecoder(BatchDecoder):
             self._steps[sampled] = jax.jit(step, donate_argnums=(2, 3))
         return self._steps[sampled]
 
-    def step(self, active: np.ndarray, positions: np.ndarray, sampling: SlotSampling) -> np.ndarray:
-        args = (sampling.temperature, sampling.top_p, sampling.key_data, sampling.steps, active, positions)
-        tok, self.logits, self.cache = self._step_fn(sampling.any_sampled)(
-            self.weights, self.codebooks, self.cache, self.logits, *(self._put(x) for x in args)
-        )
-        return np.asarray(tok)
+    def _leading_args(self) -> tuple:
+        return self.weights, self.codebooks, self.cache, self.logits
