@@ -116,7 +116,7 @@ def test_version_options_change_the_model():
 def test_published_stream_equals_one_shot(schedule):
     """Streaming carries the window: chunks of any size equal the one-shot call; a new document starts
     without the previous one's window."""
-    armt = published_armt()
+    armt = published_armt(layers=2)
     ids = RNG.integers(0, VOCAB, (2, 19))
     want = armt(ids, schedule="sequential")
     state, outs = armt.init_state(2, schedule), [[], []]
@@ -149,8 +149,9 @@ def test_published_generation_equals_forward_each_step():
     for i, logits in enumerate(steps):
         assert float(jnp.abs(logits - forward[:, 4 + i]).max()) <= 1e-4, i
     assert np.array_equal(out[:, 5:], np.asarray(jnp.argmax(forward[:, 4:13], -1)))
-    sampled = armt.generate(ids, SamplingParams(max_new_tokens=5, temperature=0.8, top_k=20, seed=3))
-    assert sampled.shape == (2, 10) and sampled.min() >= 0
+    sampled = armt.generate(ids, SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, seed=3))
+    again = armt.generate(ids, SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, seed=3))
+    assert sampled.shape == (2, 8) and np.array_equal(sampled, again)  # seeded sampling
 
 
 def test_defaults_unchanged():
