@@ -93,15 +93,15 @@ def load(path: str | Path, dtype: Any = None, *, mesh: Mesh | None = None, base_
         return _through_weight_cache(path, as_loaded, mesh, lambda: load_gguf(path, target, mesh))
     if not path.is_dir():
         raise ValueError(f"{path}: no such model directory (or .gguf file)")
-    if not declares_checkpoint(path) and (path / "config.json").exists():  # a HF model directory
-        as_loaded = "stored" if target is None else target.name
-        return _through_weight_cache(path, as_loaded, mesh, lambda: _load_hf(path, target, mesh))
-    meta = read_metadata(path) if declares_checkpoint(path) else {}  # ours: its errors, not the HF reader's
-    if not meta:
+    if not declares_checkpoint(path):
         from convert.armt_hf import is_published_armt
 
         if is_published_armt(path):
             return _load_published(path, target, mesh, base_config)
+        if (path / "config.json").exists():  # a HF model directory
+            as_loaded = "stored" if target is None else target.name
+            return _through_weight_cache(path, as_loaded, mesh, lambda: _load_hf(path, target, mesh))
+    meta = read_metadata(path) if declares_checkpoint(path) else {}  # ours: its errors, not the HF reader's
     if "armt" in meta:
         from jaxlongctx.armt import ARMTModel
 
