@@ -262,7 +262,9 @@ def check_pq_generation(base: jaxlongctx.Model) -> dict[str, Any]:
             m,
             ids,
             jaxlongctx.SamplingParams(NEW_TOKENS + window, stop_ids=()),
-            cache=jaxlongctx.PQKV(cb, window=window, sinks=sinks, observed=observed),
+            cache=jaxlongctx.PQKV(
+                cb, window=window, keep_prompt_tail_exact=False, sinks=sinks, observed=observed
+            ),
             attention_mask=mask,
         )
         forced_run = lambda m: pq_teacher_forced(m, cb, ids, mask, forced, window, sinks, observed)
@@ -506,7 +508,7 @@ def run_kv_replicas(combos: list[tuple[int, int]], tokens: bool) -> dict[str, An
         armt = ARMTModel.wrap(model, ARMTConfig(segment_size=4, num_mem_tokens=2, d_mem=4), jax.random.key(0))
         armt.cpu_execution = PIPELINE_ALWAYS  # this short input would otherwise run in sequential order
         armt.randomize_memory_params(jax.random.key(1), 0.5)
-        pq = {"cache": jaxlongctx.PQKV(codebooks, window=window)}
+        pq = {"cache": jaxlongctx.PQKV.bare(codebooks, window=window)}
         greedy = lambda m, **kw: (
             jaxlongctx.generate(m, ids, GREEDY, attention_mask=mask, **kw) if tokens else None
         )
