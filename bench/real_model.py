@@ -142,7 +142,7 @@ def llama_cpp_peers(context: int, new_tokens: int) -> dict[str, Any]:
         return {}
     from jaxlongctx.pretrained import smollm2_gguf
 
-    threads, n_ctx = os.cpu_count() or 1, context + new_tokens + 16
+    threads, n_ctx = len(os.sched_getaffinity(0)), context + new_tokens + 16
     return {
         "llama_cpp_f16": llama_cpp_peer.LlamaCpp(llama_cpp_peer.f16_gguf(smollm2_gguf()), threads, n_ctx),
         "llama_cpp_q4_1": llama_cpp_peer.LlamaCpp(smollm2_gguf(), threads, n_ctx),
@@ -182,7 +182,8 @@ def main() -> None:
 
     from jaxlongctx.pretrained import smollm2_gguf
 
-    torch.set_num_threads(os.cpu_count() or 1)  # XLA's CPU pool has one thread per core
+    cores = len(os.sched_getaffinity(0))  # `taskset -c 0 ...` measures one core
+    torch.set_num_threads(cores)  # XLA's CPU pool has one thread per core it may run on
     contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
     if args.contexts:
         contexts = tuple(int(c) for c in args.contexts.split(","))
@@ -204,7 +205,8 @@ def main() -> None:
         "repeats": repeats,
         "threads": {
             "torch": torch.get_num_threads(),
-            "xla": f"XLA's CPU client: one intra-op pool thread per core ({os.cpu_count()})",
+            "xla": f"XLA's CPU client: one intra-op pool thread per core ({cores} of {os.cpu_count()})",
+            "llama_cpp": cores,
         },
         "torch": torch.__version__,
         "transformers": transformers.__version__,
