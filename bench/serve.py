@@ -229,7 +229,7 @@ def main() -> None:
     gguf = smollm2_gguf()
     model = jaxlongctx.load(gguf, args.dtype)
     mixes = {
-        c: request_mix(model.tokenizer, max(4, 2 * c), prompts, news)
+        c: request_mix(model.tokenizer, max(4, args.requests_per_client * c), prompts, news)
         for c in sorted(set(clients + peer_clients))
     }
     caches = args.caches.split(",")
@@ -296,7 +296,7 @@ def main() -> None:
             "mix": {
                 "prompt_tokens": prompts,
                 "new_tokens": news,
-                "requests_per_level": "max(4, 2 * clients)",
+                "requests_per_level": f"max(4, {args.requests_per_client} * clients)",
             },
             "read_bandwidth_bytes_per_s": bandwidth,
             "weight_bytes": weights,
