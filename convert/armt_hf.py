@@ -32,7 +32,7 @@ from convert.hf_llama import (
     tensor_rules,
 )
 from jaxlongctx.armt.config import ARMTConfig
-from jaxlongctx.checkpoint import abstract_model, atomic_directory, read_metadata
+from jaxlongctx.checkpoint import abstract_model, atomic_directory, load_tokenizer, read_metadata
 from jaxlongctx.config import ConfigError, ModelConfig
 from jaxlongctx.output_dir import check_output
 
@@ -240,7 +240,6 @@ def read_published(
 ) -> Any:
     """An `ARMTModel` (on the default device) from a published directory."""
     from jaxlongctx.armt import ARMTModel
-    from jaxlongctx.loading import load_tokenizer
 
     source = Path(directory)
     if not source.is_dir():

@@ -179,3 +179,16 @@ def load_module(path: str | Path, dtype: jnp.dtype | None = None, shardings: Any
     graphdef, state = nnx.split(skeleton)
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)
+
+
+def load_tokenizer(directory: str | Path) -> Any:
+    """The tokenizer in `directory/tokenizer.json` (a `ChatTokenizer`: a `tokenizers.Tokenizer` with the
+    chat template and special tokens of tokenizer_config.json), or None when there is none."""
+    from jaxlongctx.tokenizer import ChatTokenizer
+
+    try:
+        return ChatTokenizer.from_directory(directory)
+    except Exception as e:
+        raise CheckpointError(
+            f"{Path(directory) / 'tokenizer.json'}: not a readable tokenizer ({type(e).__name__}: {e})"
+        ) from None

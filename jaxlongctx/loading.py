@@ -13,7 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxlongctx.checkpoint import CheckpointError, declares_checkpoint, load_module, read_metadata
+from jaxlongctx.checkpoint import (
+    CheckpointError,
+    declares_checkpoint,
+    load_module,
+    load_tokenizer,
+    read_metadata,
+)
 from jaxlongctx.config import ModelConfig
 from jaxlongctx.model.llama import Llama
 from jaxlongctx.model.model import Model
@@ -34,19 +40,6 @@ def parse_dtype(dtype: Any) -> jnp.dtype | None:
     if d not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"unsupported dtype {d} (choose bf16 or fp32)")
     return d
-
-
-def load_tokenizer(directory: str | Path) -> Any:
-    """The tokenizer in `directory/tokenizer.json` (a `ChatTokenizer`: a `tokenizers.Tokenizer` with the
-    chat template and special tokens of tokenizer_config.json), or None when there is none."""
-    from jaxlongctx.tokenizer import ChatTokenizer
-
-    try:
-        return ChatTokenizer.from_directory(directory)
-    except Exception as e:
-        raise CheckpointError(
-            f"{Path(directory) / 'tokenizer.json'}: not a readable tokenizer ({type(e).__name__}: {e})"
-        ) from None
 
 
 def _restore(ckpt: Path, dtype: jnp.dtype | None, mesh: Mesh | None) -> Llama:
