@@ -50,7 +50,7 @@ def meshes(tmp_path_factory) -> dict:
         env=_worker_env(8),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,  # every mesh check of the module in one process: minutes on 2 cores
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
