@@ -16,6 +16,19 @@ os.environ["JAXLONGCTX_NO_CACHE"] = "1"
 from hf_oracle import FAMILIES, make_hf_model
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module: one process runs the whole suite, and
+    without this it keeps every program every module compiled (gigabytes by the end of the run)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def hf_family_dir(tmp_path_factory):
     """Factory: family name -> (HF dir, torch model), built once per session."""
