@@ -115,17 +115,18 @@ def _commit(
     return state, cache._replace(key_valid=cache.key_valid & ~commit[:, None])
 
 
-def _compiled(model: Any, sampler: tuple, stop: tuple, pad_id: int):
-    """Jitted prefill, decode step and commit for these static settings (cached on the model)."""
-    cache = model.__dict__.setdefault("_generate_fns", {})
-    key = (sampler, stop, pad_id)
-    if key not in cache:
-        cache[key] = (
-            jax.jit(partial(_prefill, model)),
-            jax.jit(partial(_decode_step, model, sampler, stop, pad_id), donate_argnums=(2,)),
-            jax.jit(partial(_commit, model), donate_argnums=(2,)),
+def compiled_decoding(model: Any, name: str, prefill: Any, step: Any, commit: Any, static_key: tuple):
+    """Jitted `prefill`, token `step` and `commit` of one ARMT decoding for `static_key` (sampler, stop,
+    pad id); the step and commit donate their cache. Cached on the model under `name`."""
+    cache = model.__dict__.setdefault(name, {})
+    if static_key not in cache:
+        sampler, stop, pad_id = static_key
+        cache[static_key] = (
+            jax.jit(partial(prefill, model)),
+            jax.jit(partial(step, model, sampler, stop, pad_id), donate_argnums=(2,)),
+            jax.jit(partial(commit, model), donate_argnums=(2,)),
         )
-    return cache[key]
+    return cache[static_key]
 
 
 def window_start(prompt_length: Any, segment_size: int) -> Any:
@@ -243,7 +244,9 @@ def generate_ids(
     ids_c, lengths, _ = compact(req.ids, req.mask)
     start, before = window_starts(model, ids_c, lengths)  # B (every row has a real token)
     params, mesh = model.params, model.base.mesh
-    prefill, step, commit = _compiled(model, *req.static_key)
+    prefill, step, commit = compiled_decoding(
+        model, "_generate_fns", _prefill, _decode_step, _commit, req.static_key
+    )
     t0 = time.perf_counter()
     state = _prompt_state(model, ids_c, start, before, memory.schedule)
     window = _window_rows(ids_c, start, lengths, 2 * S)

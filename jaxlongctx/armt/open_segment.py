@@ -19,7 +19,6 @@ the rows it runs), so the version options (`ARMTConfig.mem_mem_mask`, ...) hold 
 from __future__ import annotations
 
 import time
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlongctx.armt.cell import segment_layout, segment_visibility
-from jaxlongctx.armt.generation import _window_rows
+from jaxlongctx.armt.generation import _window_rows, compiled_decoding
 from jaxlongctx.armt.memory import MemoryState, read, write, zero_state
 from jaxlongctx.armt.segments import compact, segment
 from jaxlongctx.armt.sequential import sink_row
@@ -192,19 +191,6 @@ def _commit(
     return state, jax.tree.map(keep, new_cache, cache)
 
 
-def _compiled(model: Any, sampler: tuple, stop: tuple, pad_id: int):
-    """Jitted prefill, token step and commit for these static settings (cached on the model)."""
-    cache = model.__dict__.setdefault("_open_segment_fns", {})
-    key = (sampler, stop, pad_id)
-    if key not in cache:
-        cache[key] = (
-            jax.jit(partial(_prefill, model)),
-            jax.jit(partial(_token_step, model, sampler, stop, pad_id), donate_argnums=(2,)),
-            jax.jit(partial(_commit, model), donate_argnums=(2,)),
-        )
-    return cache[key]
-
-
 def generate_open_segment(
     model: Any,
     ids: Any,
@@ -225,7 +211,9 @@ def generate_open_segment(
     ids_c, lengths, _ = compact(req.ids, req.mask)
     opens = (lengths - 1) // S * S  # B: where each row's open chunk starts
     params, mesh = model.params, model.base.mesh
-    prefill, step, commit = _compiled(model, *req.static_key)
+    prefill, step, commit = compiled_decoding(
+        model, "_open_segment_fns", _prefill, _token_step, _commit, req.static_key
+    )
     t0 = time.perf_counter()
     if opens.max() > 0:
         state, _ = model.run_segments(params, segment(ids_c, opens, S), memory.schedule)
