@@ -121,3 +121,48 @@ def test_cache_switch_and_folder(monkeypatch, tmp_path, value, off):
     monkeypatch.delenv("JAXLONGCTX_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_cache_dir() == tmp_path / "jaxlongctx"
+
+
+# Loads a GGUF file without a mesh (filling the weight cache), then onto a tp=2 mesh from the cache;
+# prints the number of conversions, the sharding of one weight and the largest logit difference.
+LOAD_ONTO_MESH = """
+import json, sys, threading
+import numpy as np
+import jaxlongctx
+import convert.gguf_llama as gguf_llama
+from jaxlongctx.disk_cache import enable_disk_cache
+conversions = []
+load_gguf = gguf_llama.load_gguf
+gguf_llama.load_gguf = lambda *a, **k: conversions.append(1) or load_gguf(*a, **k)
+enable_disk_cache(sys.argv[2])
+plain = jaxlongctx.load(sys.argv[1], "fp32")
+for thread in threading.enumerate():
+    if thread.name == "jaxlongctx-weight-cache":
+        thread.join()
+sharded = jaxlongctx.load(sys.argv[1], "fp32", mesh=jaxlongctx.make_mesh(tp=2))
+ids = np.array([[1, 5, 9, 3, 7]], np.int32)
+diff = np.abs(np.asarray(plain(ids)) - np.asarray(sharded(ids))).max()
+wq = sharded.module.layers.wq[...]
+print(json.dumps({"conversions": len(conversions), "shards": len(wq.sharding.device_set),
+                  "shard_shape": list(wq.addressable_shards[0].data.shape), "shape": list(wq.shape),
+                  "diff": float(diff)}))
+"""
+
+
+def test_cached_weights_are_read_onto_a_mesh(tmp_path):
+    gguf, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    write_gguf(gguf, "llama", hf_weights("llama"), "Q8_0", tokenizer=gpt2_chat_tokenizer(TEXTS))
+    env = {k: v for k, v in os.environ.items() if k != "JAXLONGCTX_NO_CACHE"}
+    env.update(PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_ONTO_MESH, str(gguf), str(cache)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["conversions"] == 1  # the mesh load read the cache entry
+    assert report["shards"] == 2 and report["shard_shape"] != report["shape"]
+    assert report["diff"] < 1e-5
