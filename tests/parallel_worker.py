@@ -1,7 +1,8 @@
 """Tensor-parallel checks that need several (fake CPU) devices, run in a subprocess by test_parallel.py.
 
-    python tests/parallel_worker.py meshes OUT.json            # needs 8 fake devices (set by the caller)
-    python tests/parallel_worker.py armt OUT.json              # ARMT schedules on a tp=2 mesh
+    python tests/parallel_worker.py meshes OUT.json TP:DP ...          # needs 8 fake devices (set by the caller)
+    python tests/parallel_worker.py armt OUT.json TP:DP ...            # ARMT schedules on those meshes
+    python tests/parallel_worker.py armt_published OUT.json TP:DP ...  # the published ARMT cell on them
     python tests/parallel_worker.py kv_replicas OUT.json tokens|logits K:TP ...  # tp past the kv heads K
     python tests/parallel_worker.py process PORT NPROC RANK CKPT OUT.json  # one process of a multi-process run
 
@@ -58,7 +59,6 @@ TIED = ModelConfig(
     tie_word_embeddings=True,
     model_type="qwen3",
 )
-MESHES = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2)]  # (tp, dp)
 NEW_TOKENS = 4
 GREEDY = jaxlongctx.SamplingParams(NEW_TOKENS, stop_ids=())  # exactly NEW_TOKENS greedy tokens
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -167,13 +167,13 @@ def prefill_cache_spec(model: jaxlongctx.Model) -> str:
     return str(prefill_cache(model).k.sharding.spec)
 
 
-def run_meshes() -> dict[str, Any]:
-    """Logits, greedy tokens and per-device memory on every mesh, against one device."""
+def run_meshes(meshes: list[tuple[int, int]]) -> dict[str, Any]:
+    """Logits, greedy tokens and per-device memory on each (tp, dp) mesh, against one device."""
     base = make_model()
     ref = reference()
     ids, mask = sample_inputs()
     out: dict[str, Any] = {"total_param_bytes": base.param_bytes(), "meshes": []}
-    for tp, dp in MESHES:
+    for tp, dp in meshes:
         model = shard_model(base, make_mesh(tp=tp, dp=dp))
         logits = model(ids, mask)
         tokens = jaxlongctx.generate(model, ids, GREEDY, attention_mask=mask)
@@ -194,7 +194,7 @@ def run_meshes() -> dict[str, Any]:
     out["cache_spec_2x2"] = prefill_cache_spec(shard_model(base, make_mesh(tp=2, dp=2)))
     out["loading"] = check_sharded_loading()
     out["pq_attention"] = check_pq_attention()
-    out["pq_generate"] = check_pq_generation(base)
+    out["pq_generate"] = check_pq_generation(base, meshes)
     return out
 
 
@@ -220,14 +220,18 @@ def pq_teacher_forced(
         logits, cache = pq_prefill(
             module, k_cent, v_cent, capacity, window, False, ids, mask, sinks, observed, k_w, v_w
         )
-        positions, steps = mask.sum(axis=1), [logits]
-        for i in range(forced.shape[1]):
+        positions = mask.sum(axis=1)
+
+        def step(cache, xs):  # one forced token [B] at offset i
+            token, i = xs
             h, cache = pq_decode_hidden(
-                module, k_cent, v_cent, forced[:, i : i + 1], (positions + i)[:, None], cache,
+                module, k_cent, v_cent, token[:, None], (positions + i)[:, None], cache,
                 recent=window, k_weights=k_w, v_weights=v_w,
             )  # fmt: skip
-            steps.append(module.head(h)[:, 0])
-        return jnp.stack(steps, axis=1), cache
+            return cache, module.head(h)[:, 0]
+
+        cache, steps = jax.lax.scan(step, cache, (forced.T, jnp.arange(forced.shape[1])))
+        return jnp.concatenate([logits[:, None], steps.swapaxes(0, 1)], axis=1), cache
 
     placed = place_codebooks(codebooks, model.mesh)
     logits, cache = jax.jit(run)(
@@ -236,9 +240,9 @@ def pq_teacher_forced(
     return np.asarray(logits), cache
 
 
-def check_pq_generation(base: jaxlongctx.Model) -> dict[str, Any]:
+def check_pq_generation(base: jaxlongctx.Model, meshes: list[tuple[int, int]]) -> dict[str, Any]:
     """PQ-cache decoding (layer_head codebooks; shared ones on 2x2; attention-weighted layer_head and
-    layer ones with pinned sink and observed prompt tokens) on every mesh vs one device: teacher-forced
+    layer ones with pinned sink and observed prompt tokens) on `meshes` vs one device: teacher-forced
     logits, greedy tokens, and the code buffers split over batch and kv heads."""
     from jaxlongctx.kvcache.calibrate import calibrate
 
@@ -246,13 +250,13 @@ def check_pq_generation(base: jaxlongctx.Model) -> dict[str, Any]:
     stream = np.random.default_rng(5).integers(3, CFG.vocab_size, 2048)
     window = 4
     cases = (  # name, granularity, weighting, sinks, observed, inputs, meshes
-        ("layer_head", "layer_head", "none", 0, 0, short, MESHES),
+        ("layer_head", "layer_head", "none", 0, 0, short, meshes),
         ("shared", "shared", "none", 0, 0, short, [(2, 2)]),
-        ("layer_head weighted pinned", "layer_head", "attention", 2, 3, long, MESHES),
+        ("layer_head weighted pinned", "layer_head", "attention", 2, 3, long, meshes),
         ("layer weighted pinned", "layer", "attention", 2, 3, long, [(2, 2)]),
     )
     out: dict[str, Any] = {}
-    for name, granularity, weighting, sinks, observed, (ids, mask), meshes in cases:
+    for name, granularity, weighting, sinks, observed, (ids, mask), case_meshes in cases:
         forced = np.random.default_rng(6).integers(3, CFG.vocab_size, (ids.shape[0], 10)).astype(np.int32)
         cb = calibrate(
             base, stream, ds=2, bits=4, granularity=granularity, iters=4, seq_len=64, max_tokens=1024,
@@ -270,7 +274,7 @@ def check_pq_generation(base: jaxlongctx.Model) -> dict[str, Any]:
         forced_run = lambda m: pq_teacher_forced(m, cb, ids, mask, forced, window, sinks, observed)
         want_logits, want_cache = forced_run(base)
         want_tokens = generate(base)
-        for tp, dp in meshes:
+        for tp, dp in case_meshes:
             model = shard_model(base, make_mesh(tp=tp, dp=dp))
             logits, cache = forced_run(model)
             shard = cache.k_codes.addressable_shards[0].data.shape
@@ -363,9 +367,9 @@ def check_pq_attention() -> dict[str, Any]:
     return out
 
 
-def run_armt() -> dict[str, Any]:
+def run_armt(meshes: list[tuple[int, int]]) -> dict[str, Any]:
     """ARMT sequential and diagonal schedules (random memory weights, a padded batch of 4 rows) on
-    every mesh vs one device, and how the memory weights and state are laid out."""
+    each (tp, dp) mesh vs one device, and how the memory weights and state are laid out."""
     from jaxlongctx.armt import ARMTConfig, ARMTModel
     from jaxlongctx.armt.cpu_execution import PIPELINE_ALWAYS
 
@@ -404,7 +408,7 @@ def run_armt() -> dict[str, Any]:
         stream(sentences),
     )
     out: dict[str, Any] = {}
-    for tp, dp in MESHES[1:]:
+    for tp, dp in meshes:
         model = armt(shard_model(base, make_mesh(tp=tp, dp=dp)))
         row: dict[str, Any] = {"wv_spec": str(model.memory.wv[...].sharding.spec)}
         for schedule, (logits, state) in want.items():
@@ -442,7 +446,7 @@ def run_armt() -> dict[str, Any]:
     return out
 
 
-def run_armt_published() -> dict[str, Any]:
+def run_armt_published(meshes: list[tuple[int, int]]) -> dict[str, Any]:
     """The published ARMT cell (sink, sliding window, 2 memory heads) with 2 kv heads on tp meshes up
     to and past the kv-head count (kv heads replicated) vs one device: both schedules on a padded
     batch, greedy tokens, and how the window K/V is split."""
@@ -476,7 +480,7 @@ def run_armt_published() -> dict[str, Any]:
     want = {s: np.asarray(plain(ids, mask, schedule=s)) for s in ("sequential", "diagonal")}
     want_tokens = jaxlongctx.generate(plain, ids, GREEDY, attention_mask=mask)
     out: dict[str, Any] = {}
-    for tp, dp in [(2, 1), (4, 1), (8, 1), (2, 2)]:
+    for tp, dp in meshes:
         model = armt(shard_model(base, make_mesh(tp=tp, dp=dp)))
         row: dict[str, Any] = {}
         for schedule, logits in want.items():
@@ -582,14 +586,12 @@ def run_process(port: int, nproc: int, rank: int, ckpt: str) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     """Dispatch a worker command and write its JSON result."""
-    if argv[0] == "meshes":
-        result, out = run_meshes(), argv[1]
-    elif argv[0] == "armt":
-        result, out = run_armt(), argv[1]
-    elif argv[0] == "armt_published":
-        result, out = run_armt_published(), argv[1]
+    pairs = lambda args: [tuple(int(x) for x in a.split(":")) for a in args]  # "a:b" -> (a, b)
+    if argv[0] in ("meshes", "armt", "armt_published"):  # OUT TP:DP...
+        run = {"meshes": run_meshes, "armt": run_armt, "armt_published": run_armt_published}[argv[0]]
+        result, out = run(pairs(argv[2:])), argv[1]
     elif argv[0] == "kv_replicas":
-        combos = [tuple(int(x) for x in c.split(":")) for c in argv[3:]]
+        combos = pairs(argv[3:])
         result, out = run_kv_replicas(combos, argv[2] == "tokens"), argv[1]
     elif argv[0] == "process":
         port, nproc, rank = (int(x) for x in argv[1:4])

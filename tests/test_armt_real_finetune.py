@@ -34,6 +34,7 @@ def _leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow  # SmolLM2 steps: the toy-model curriculum run (test_train) is the fast path
 def test_quick_memory_only_smollm2_finetune_lowers_the_loss_and_resumes_exactly(tmp_path):
     run = prepare_train_armt(_args(*QUICK, "--out", str(tmp_path / "run")))
     trainer, armt = run.trainer, run.armt

@@ -139,6 +139,7 @@ def test_streams_cut_sentence_segments_as_the_one_shot_call(schedule):
     assert float(jnp.abs(armt(other[None])[0] - expected).max()) > 1e-2
 
 
+@pytest.mark.slow  # fixed segments: tests/test_armt_stream.py is the fast path
 def test_sentence_generation_equals_repeated_generation_logits():
     armt = _sentence_armt()
     rows = [_text([3, 4, 2, 7, 5, 2]), _text([6, 6, 6, 2])]  # windows open at 15 and 12
@@ -241,6 +242,7 @@ def test_checkpoint_keeps_its_segmentation(tmp_path):
     assert load(older).segmentation == "fixed"
 
 
+@pytest.mark.slow  # fp32 batches as rows: test_armt_schedules is the fast path
 def test_shipped_armt_decodes_a_bf16_batch_as_single_rows():
     """bf16 weights with two rows: once failed on CPU with an unsupported bf16 x bf16 = f32 dot."""
     armt = load(ARMT_MODEL, "bf16")

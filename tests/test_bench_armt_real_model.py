@@ -107,6 +107,7 @@ def test_fit_context_keeps_the_head_and_the_question_and_fits_the_native_context
         fit_context(short, cut, cut.head + 10)
 
 
+@pytest.mark.slow  # the shipped ARMT case in tests/test_train.py is the fast path
 def test_teacher_forced_exact_match_is_greedy_decodings(armt):
     """For full attention (cut items) and ARMT: scored against greedy's own digits every
     item is an exact match, and against the codes the score is greedy's."""

@@ -18,6 +18,7 @@ MEASURED = ("limits", "pytest", "kernels", "armt_schedule", "armt_published", "p
 
 
 @pytest.mark.jaxmin  # the GPU image's jax: the one the device run meets
+@pytest.mark.jaxmin_lane  # a minute and a half: CI runs it once, in that lane
 def test_cpu_dry_run_runs_every_step(tmp_path):
     """The documented command, at toy sizes: every step passes and the summary holds every ratio."""
     out = tmp_path / "gpu"

@@ -24,7 +24,10 @@ from jaxlongctx.parallel import check_divisible, make_mesh, param_shardings
 
 WORKER = Path(__file__).parent / "parallel_worker.py"
 TOLERANCE = 1e-4
-MESHES = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2)]  # (tp, dp), as the worker runs them
+EVERY_MESH = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2)]  # (tp, dp)
+# The default run checks tp alone and tp with dp; `-m slow` checks every mesh.
+FEW_MESHES = [(4, 1), (2, 2)]
+MESH_LISTS = [FEW_MESHES, pytest.param(EVERY_MESH, marks=pytest.mark.slow)]
 
 
 def _worker_env(devices: int) -> dict[str, str]:
@@ -35,25 +38,32 @@ def _worker_env(devices: int) -> dict[str, str]:
     return env
 
 
+def _run_worker(command: str, out: Path, meshes: list[tuple[int, int]], timeout: int) -> dict:
+    """Run a worker command on 8 fake devices over `meshes`; its JSON result."""
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), command, str(out), *(f"{tp}:{dp}" for tp, dp in meshes)],
+        env=_worker_env(8),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def meshes(tmp_path_factory) -> dict:
-    """Results of every single-process mesh check (one 8-device subprocess)."""
+@pytest.fixture(scope="module", params=MESH_LISTS, ids=["few_meshes", "every_mesh"])
+def meshes(request, tmp_path_factory) -> dict:
+    """Results of the single-process mesh checks on one list of meshes (one 8-device subprocess);
+    "requested" is that list."""
     out = tmp_path_factory.mktemp("tp") / "meshes.json"
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), "meshes", str(out)],
-        env=_worker_env(8),
-        capture_output=True,
-        text=True,
-        timeout=900,  # every mesh check of the module in one process: minutes on 2 cores
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    got = _run_worker("meshes", out, request.param, timeout=900)  # minutes on 2 cores
+    return {**got, "requested": request.param}
 
 
 def _mesh_ids(meshes: dict) -> list[str]:
@@ -64,7 +74,7 @@ def test_logits_and_greedy_tokens_match_one_device(meshes):
     for name, m in zip(_mesh_ids(meshes), meshes["meshes"]):
         assert m["logit_max_diff"] <= TOLERANCE, (name, m)
         assert m["tokens_equal"], name
-    assert [(m["tp"], m["dp"]) for m in meshes["meshes"]] == MESHES
+    assert [(m["tp"], m["dp"]) for m in meshes["meshes"]] == meshes["requested"]
 
 
 def test_per_device_parameter_bytes_divide_by_tp(meshes):
@@ -107,7 +117,7 @@ def test_load_restores_into_shards(meshes, source):
 def test_pq_generation_matches_one_device(meshes):
     got = meshes["pq_generate"]
     head_cases = ("layer_head", "layer_head weighted pinned")
-    want = [f"{c} dp{dp}xtp{tp}" for c in head_cases for tp, dp in MESHES]
+    want = [f"{c} dp{dp}xtp{tp}" for c in head_cases for tp, dp in meshes["requested"]]
     assert sorted(got) == sorted(want + ["shared dp2xtp2", "layer weighted pinned dp2xtp2"])
     for name, m in got.items():
         assert m["logit_max_diff"] <= TOLERANCE and m["tokens_equal"], (name, m)
@@ -131,42 +141,38 @@ def test_pq_kernel_runs_per_kv_head_shard(meshes, backend):
     assert got["max_diff"] <= 1e-5 and got["out_spec"] == "P('dp', 'tp', None)" and got["collectives"] == 0
 
 
-def test_armt_published_on_meshes_matches_one_device(tmp_path):
+@pytest.mark.parametrize(
+    "mesh_list",
+    [
+        [(4, 1), (2, 2)],
+        pytest.param([(2, 1), (4, 1), (8, 1), (2, 2)], marks=pytest.mark.slow, id="every_mesh"),
+    ],
+)
+def test_armt_published_on_meshes_matches_one_device(tmp_path, mesh_list):
     """The published cell (sink, sliding window, memory heads) on tp meshes up to and past its 2 kv
     heads: both schedules and greedy decoding equal one device; the window K/V splits over kv heads."""
-    out = tmp_path / "armt_published.json"
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), "armt_published", str(out)],
-        env=_worker_env(8),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(out.read_text())
-    assert sorted(got) == ["dp1xtp2", "dp1xtp4", "dp1xtp8", "dp2xtp2"]
+    got = _run_worker("armt_published", tmp_path / "armt_published.json", mesh_list, timeout=600)
+    assert sorted(got) == sorted(f"dp{dp}xtp{tp}" for tp, dp in mesh_list)
     for name, m in got.items():
         assert m["sequential"] <= TOLERANCE and m["diagonal"] <= TOLERANCE, (name, m)
         assert m["tokens_equal"], name
         assert "tp" in m["wk_spec"], (name, m["wk_spec"])
 
 
-def test_armt_on_meshes_matches_one_device(tmp_path):
+@pytest.mark.parametrize(
+    "mesh_list",
+    [
+        pytest.param([(2, 2)], id="few_meshes"),
+        pytest.param(EVERY_MESH[1:], marks=pytest.mark.slow, id="every_mesh"),
+    ],
+)
+def test_armt_on_meshes_matches_one_device(tmp_path, mesh_list):
     """Both schedules, streaming and generation with random memory weights and a padded batch, on
-    every mesh, on the grid and with sentence segments; W_mv and the memory state A split their value
-    columns over tp and rows over dp."""
-    out = tmp_path / "armt.json"
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), "armt", str(out)],
-        env=_worker_env(8),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(out.read_text())
+    tp x dp meshes, on the grid and with sentence segments; W_mv and the memory state A split their
+    value columns over tp and rows over dp."""
+    got = _run_worker("armt", tmp_path / "armt.json", mesh_list, timeout=600)
     assert sorted(got) == sorted(
-        [f"dp{dp}xtp{tp}" for tp, dp in MESHES[1:]] + ["loaded_2x2", "sentences_differ_from_grid"]
+        [f"dp{dp}xtp{tp}" for tp, dp in mesh_list] + ["loaded_2x2", "sentences_differ_from_grid"]
     )
     assert got.pop("sentences_differ_from_grid") > 1e-2  # the sentence cut is not the grid's
     for name, m in got.items():

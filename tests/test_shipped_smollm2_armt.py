@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import jaxlongctx
 from bench.armt_memory_probe import probe_length
 from jaxlongctx.armt import ARMTModel
@@ -15,6 +17,7 @@ from jaxlongctx.pretrained import SMOLLM2_ARMT, smollm2_gguf
 CHANCE_DIGIT = 0.1
 
 
+@pytest.mark.slow  # about a minute: the shipped memory reads three facts
 def test_shipped_memory_names_smollm2_and_reads_facts_from_memory():
     meta = json.loads((SMOLLM2_ARMT / "config.json").read_text())
     assert meta["base"] == describe_base(smollm2_gguf()).to_dict()
