@@ -1,5 +1,6 @@
 """The serving engine: requests wait in a queue, join a free decode slot as soon as there is one
-(prefilled between two decode steps), are decoded together by one batched step, and leave their slot
+(prefilled between two decode steps, a long prompt a chunk at a time between several), are decoded
+together by one batched step, and leave their slot
 the moment they end (stop id, stop string, max tokens, the context, or cancelled by the client).
 
 It runs in its own thread; a request's text pieces and its end reach the caller through the
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxlongctx.cache_choice import PQKV, DenseKV, OwnMemoryModel
@@ -26,6 +28,7 @@ from jaxlongctx.generate import generate
 from jaxlongctx.model.model import Model
 from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.serve.batch_decode import BatchDecoder, DenseBatchDecoder, PQBatchDecoder, SlotSampling
+from jaxlongctx.serve.chunked_prefill import DEFAULT_CHUNK, PromptReading
 from jaxlongctx.serve.metrics import Metrics
 from jaxlongctx.serve.sampling import slot_key
 from jaxlongctx.serve.text import OutputText
@@ -49,12 +52,14 @@ class ShuttingDown(RuntimeError):
 class EngineOptions:
     """`max_batch`: decode slots; `max_context`: tokens per conversation (prompt + answer; default the
     model's, at most DEFAULT_MAX_CONTEXT); `max_queue`: waiting requests before new ones are refused;
-    `cache`: `DenseKV()` or `PQKV(codebooks)` (full-attention models)."""
+    `cache`: `DenseKV()` or `PQKV(codebooks)` (full-attention models); `prefill_chunk`: a longer prompt
+    is prefilled this many tokens at a time between decode steps."""
 
     max_batch: int = 8
     max_context: int | None = None
     max_queue: int = 256
     cache: DenseKV | PQKV = field(default_factory=DenseKV)
+    prefill_chunk: int = DEFAULT_CHUNK
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,13 @@ class GenerationRequest:
     output: OutputText | None = None
     generated: list[int] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
+    reading: PromptReading | None = None  # a long prompt being read chunk by chunk
+    decoding: bool = False  # prefilled: its slot decodes
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.prompt_ids) if self.reading is None else self.reading.remaining
 
     def cancel(self) -> None:
         """Ask the engine to drop this request (its slot is freed before the next step)."""
@@ -118,9 +130,12 @@ class Engine:
                 raise ValueError(f"cannot serve a {type(model).__name__}")
             model.check_length(context)
             if isinstance(options.cache, PQKV):
-                self.decoder = PQBatchDecoder(model, self.batch, context, options.cache)
+                self.decoder = PQBatchDecoder(
+                    model, self.batch, context, options.cache, options.prefill_chunk
+                )
             else:
-                self.decoder = DenseBatchDecoder(model, self.batch, context)
+                self.decoder = DenseBatchDecoder(model, self.batch, context, options.prefill_chunk)
+        self._prefill_rate = 1000.0  # prompt tokens per second, measured as prompts are prefilled
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._slots: list[GenerationRequest | None] = [None] * self.batch
         self._cv = threading.Condition()
@@ -209,15 +224,12 @@ class Engine:
                     self._cv.wait()
                 if self._stopping and not self._waiting and not any(self._slots):
                     return
-                joining = []
                 for b, s in enumerate(self._slots):
                     if s is None and self._waiting:
                         self._slots[b] = self._waiting.popleft()
-                        joining.append(b)
-            for b in joining:
-                self._admit(b, positions, sampling)
             self._drop_cancelled()
-            active = np.asarray([s is not None for s in self._slots])
+            self._prefill(positions, sampling)
+            active = np.asarray([s is not None and s.decoding for s in self._slots])
             if not active.any():
                 continue
             try:
@@ -231,18 +243,52 @@ class Engine:
                 self._take(self._slots[b], int(tok[b]), b)
             self.metrics.stepped(int(active.sum()), int(active.sum()))
 
-    def _admit(self, b: int, positions: np.ndarray, sampling: SlotSampling) -> None:
-        """Prefill slot b's new request and set its position and sampling."""
+    def _prefill(self, positions: np.ndarray, sampling: SlotSampling) -> None:
+        """Prefill waiting slots' prompts, about one chunk of prompt tokens in all, before the next
+        decode step: whole prompts of at most a chunk, a chunk of a longer one. The slot whose prompt
+        is quickest to finish goes first (fewest tokens left, less those its wait is worth at the
+        measured prefill rate, so that newer short prompts pass a long one for at most about the
+        long one's own prefill time)."""
+        budget = self.decoder.chunk
+        while budget > 0:
+            now = time.monotonic()
+            pending = [b for b, s in enumerate(self._slots) if s is not None and not s.decoding]
+            if not pending:
+                return
+            b = min(
+                pending,
+                key=lambda b: (
+                    self._slots[b].prompt_left - self._prefill_rate * (now - self._slots[b].submitted_at)
+                ),
+            )
+            req = self._slots[b]
+            try:
+                if not self.decoder.chunked(req.prompt_ids):
+                    used = len(req.prompt_ids)
+                    self.decoder.admit(b, req.prompt_ids)
+                else:
+                    req.reading = req.reading or self.decoder.start_reading(req.prompt_ids)
+                    used = req.reading.plan[req.reading.done][1]
+                    self.decoder.read_next_chunk(req.reading)
+                    jax.block_until_ready(req.reading.logits)
+                    if req.reading.finished:
+                        self.decoder.admit_read(b, req.reading)
+                        req.reading = None
+            except Exception:
+                print(traceback.format_exc(), file=sys.stderr)
+                self._end(b, "error")
+                continue
+            budget -= used
+            elapsed = time.monotonic() - now
+            if elapsed > 0:  # prompt tokens per second, smoothed
+                self._prefill_rate = 0.8 * self._prefill_rate + 0.2 * used / elapsed
+            if req.reading is None:
+                self._joined(b, positions, sampling)
+
+    def _joined(self, b: int, positions: np.ndarray, sampling: SlotSampling) -> None:
+        """Slot b's request is prefilled: it decodes from the next step on."""
         req = self._slots[b]
-        if req.cancelled.is_set():
-            self._end(b, "cancelled")
-            return
-        try:
-            self.decoder.admit(b, req.prompt_ids)
-        except Exception:
-            print(traceback.format_exc(), file=sys.stderr)
-            self._end(b, "error")
-            return
+        req.decoding = True
         self.metrics.admitted(len(req.prompt_ids))
         positions[b] = len(req.prompt_ids)
         sampling.temperature[b] = req.temperature
