@@ -151,8 +151,7 @@ class PromptChunk:
             jax.lax.dynamic_update_slice_in_dim(buf, new, self.start, axis=1)
             for buf, new in ((self.prompt_k, k), (self.prompt_v, v))
         )
-        q_slot = self.start + jnp.arange(q.shape[1])[None]  # B C
-        out = attention(q, keys, values, q_slot, self.key_valid)
+        out = causal_prefill_attention(q, keys, values, self.key_valid, offset=self.start)
         return out, (k, v, jnp.take(q, self.observe, axis=1))
 
 

@@ -32,7 +32,7 @@ from jaxlongctx.model import llama
 from jaxlongctx.model.llama import decode_hidden
 from jaxlongctx.model.model import Model
 from jaxlongctx.pq_generate import place_codebooks, pq_decode_hidden, pq_encode_prompt, pq_prefill
-from jaxlongctx.serve.chunked_prefill import DEFAULT_CHUNK, PromptReading, chunk_plan, keys_read, read_chunk
+from jaxlongctx.serve.chunked_prefill import DEFAULT_CHUNK, PromptReading, chunk_plan, read_chunk
 from jaxlongctx.serve.sampling import choose_per_slot
 from jaxlongctx.sharding import LOGICAL_AXES, put, put_batch
 
@@ -93,7 +93,7 @@ class BatchDecoder(abc.ABC):
         self.weights = model.params  # gathered once: building the tree costs milliseconds per step
         self.mesh = model.mesh
         self._steps: dict[bool, Any] = {}
-        self._chunk_fns: dict[int, Any] = {}
+        self._read_chunk: Any = None  # the jitted `read_chunk`
         self._finish_fns: dict[int, Any] = {}
         chunk_plan(chunk + 1, chunk)  # checks the chunk size
         # prompt buffer slots: every chunk's writes fit (a prompt has < context tokens)
@@ -144,15 +144,11 @@ class BatchDecoder(abc.ABC):
         ids = np.zeros((1, self.chunk), np.int32)
         ids[0, :count] = job.ids[start : start + count]
         observe = np.clip(n - OBSERVE + np.arange(OBSERVE) - start, 0, self.chunk - 1).astype(np.int32)
-        keys = keys_read(start, self.chunk, self.prompt_slots)
-        if keys not in self._chunk_fns:
+        if self._read_chunk is None:
             model = self.model
-
-            def fn(params, *args):
-                return read_chunk(model.merge(params), keys, *args)
-
-            self._chunk_fns[keys] = jax.jit(fn, donate_argnums=(5, 6))
-        job.logits, job.q_observed, job.k, job.v = self._chunk_fns[keys](
+            fn = lambda params, *args: read_chunk(model.merge(params), *args)
+            self._read_chunk = jax.jit(fn, donate_argnums=(5, 6))
+        job.logits, job.q_observed, job.k, job.v = self._read_chunk(
             self.weights,
             self._put(ids),
             jnp.int32(start),

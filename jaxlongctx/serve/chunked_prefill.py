@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlongctx.decode_loop import bucket_length
 from jaxlongctx.kvcache.observed_tokens import OBSERVE
 from jaxlongctx.model.attention_strategies import PromptChunk
 from jaxlongctx.model.llama import Llama
@@ -63,7 +62,6 @@ class PromptReading:
 
 def read_chunk(
     module: Llama,
-    keys: int,
     ids: jnp.ndarray,
     start: jnp.ndarray,
     count: jnp.ndarray,
@@ -72,16 +70,16 @@ def read_chunk(
     prompt_v: jnp.ndarray,
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """One chunk: ids `[1, C]` (its first `count` real) at slots `start + t`, over the prompt buffer
-    `prompt_k/v [L, 1, S, K, hd]`, of which the first `keys` slots (static, >= start + C) are read;
-    `observe [W]`: chunk slots whose queries are returned. Returns the logits of the chunk's last real
-    token `[1, V]`, its observed queries `[L, 1, W, H, hd]` and the buffers with the chunk written."""
+    `prompt_k/v [L, 1, S, K, hd]` (flash-style: key blocks past the chunk are skipped); `observe [W]`:
+    chunk slots whose queries are returned. Returns the logits of the chunk's last real token
+    `[1, V]`, its observed queries `[L, 1, W, H, hd]` and the buffers with the chunk written."""
     width = ids.shape[1]
     positions = start + jnp.arange(width, dtype=jnp.int32)[None]  # 1 C
     cos, sin = module.rope(positions)
-    key_valid = (jnp.arange(keys) < start + count)[None]  # 1 S'
+    key_valid = (jnp.arange(prompt_k.shape[2]) < start + count)[None]  # 1 S
 
     def body(layer, h, buffers):
-        k_buf, v_buf = (x[:, :keys] for x in buffers)  # 1 S' K hd
+        k_buf, v_buf = buffers  # 1 S K hd
         return layer(h, cos, sin, PromptChunk(k_buf, v_buf, start, key_valid, observe))
 
     h, (k, v, q_observed) = module.scan_layers(body, module.embed_ids(ids), (prompt_k, prompt_v))
@@ -91,8 +89,3 @@ def read_chunk(
     )  # k: L 1 C K hd
     last = jax.lax.dynamic_slice_in_dim(h, count - 1, 1, axis=1)  # 1 1 D
     return module.head(last)[:, 0], q_observed, prompt_k, prompt_v
-
-
-def keys_read(start: int, width: int, buffer: int) -> int:
-    """Prompt-buffer slots a chunk at `start` of `width` reads: a compile bucket, at most the buffer."""
-    return min(buffer, bucket_length(start + width))

@@ -232,16 +232,18 @@ class Engine:
             active = np.asarray([s is not None and s.decoding for s in self._slots])
             if not active.any():
                 continue
+            t0 = time.monotonic()
             try:
                 tok = self.decoder.step(active, positions, sampling)
             except Exception:
                 self._fail_all(traceback.format_exc())
                 continue
+            seconds = time.monotonic() - t0
             sampling.steps[active] += 1
             positions[active] += 1
             for b in np.flatnonzero(active):
                 self._take(self._slots[b], int(tok[b]), b)
-            self.metrics.stepped(int(active.sum()), int(active.sum()))
+            self.metrics.stepped(int(active.sum()), int(active.sum()), seconds)
 
     def _prefill(self, positions: np.ndarray, sampling: SlotSampling) -> None:
         """Prefill waiting slots' prompts, about one chunk of prompt tokens in all, before the next
@@ -270,16 +272,17 @@ class Engine:
                     req.reading = req.reading or self.decoder.start_reading(req.prompt_ids)
                     used = req.reading.plan[req.reading.done][1]
                     self.decoder.read_next_chunk(req.reading)
-                    jax.block_until_ready(req.reading.logits)
                     if req.reading.finished:
                         self.decoder.admit_read(b, req.reading)
                         req.reading = None
+                jax.block_until_ready(self.decoder.logits if req.reading is None else req.reading.logits)
             except Exception:
                 print(traceback.format_exc(), file=sys.stderr)
                 self._end(b, "error")
                 continue
             budget -= used
             elapsed = time.monotonic() - now
+            self.metrics.prefilled(elapsed)
             if elapsed > 0:  # prompt tokens per second, smoothed
                 self._prefill_rate = 0.8 * self._prefill_rate + 0.2 * used / elapsed
             if req.reading is None:
