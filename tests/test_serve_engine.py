@@ -135,8 +135,13 @@ def _check_chunked_equals_whole(decoder, ids: list[int], kind: str) -> None:
     assert chunk_plan(64, 32) == [(0, 32), (32, 32)] and chunk_plan(80, 32) == [(0, 32), (32, 16), (48, 32)]
 
 
-def test_armt_served_one_at_a_time_equals_generate():
-    model = jaxlongctx.load(f"{ASSETS}/armt_model")
+@pytest.fixture(scope="module")
+def armt_model():
+    return jaxlongctx.load(f"{ASSETS}/armt_model")
+
+
+def test_armt_served_one_at_a_time_equals_generate(armt_model):
+    model = armt_model
     engine = Engine(model, EngineOptions(max_batch=4, max_context=256)).start()
     prompts = _prompts(3, model.config.vocab_size, seed=1)
     try:
@@ -146,6 +151,31 @@ def test_armt_served_one_at_a_time_equals_generate():
     assert engine.one_at_a_time
     for p, n, r in zip(prompts, [20, 12, 20], results):
         assert list(r.ids) == _alone(model, p, n)
+
+
+def test_armt_streams_and_a_cancel_stops_its_generation(armt_model):
+    """An ARMT answer streams token by token: cancelled at its first piece, it ends there, long
+    before its 200 tokens."""
+    model = armt_model
+    engine = Engine(model, EngineOptions(max_context=256)).start()
+    events, finished = [], threading.Event()
+
+    def emit(event):
+        events.append(event)
+        if isinstance(event, str) and event:
+            req.cancel()
+        if isinstance(event, Finished):
+            finished.set()
+
+    prompt = _prompts(1, model.config.vocab_size, seed=1)[0]  # compiled already, with these settings
+    req = GenerationRequest(prompt, emit, max_tokens=200)
+    try:
+        engine.submit(req)
+        assert finished.wait(120)
+    finally:
+        engine.shutdown(60)
+    assert events[-1].reason == "cancelled" and 1 <= events[-1].completion_tokens < 10
+    assert engine.metrics_snapshot()["busy_slots"] == 0
 
 
 def test_per_slot_sampling_and_context_limit(base_model):

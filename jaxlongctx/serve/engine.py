@@ -5,7 +5,7 @@ the moment they end (stop id, stop string, max tokens, the context, or cancelled
 
 It runs in its own thread; a request's text pieces and its end reach the caller through the
 request's `emit` callback, called from that thread. ARMT models (their own memory, no KV cache) are
-served one request at a time through `jaxlongctx.generate`.
+served one request at a time through `jaxlongctx.generate`, streamed token by token.
 """
 
 from __future__ import annotations
@@ -341,7 +341,8 @@ class Engine:
                 self._end(b, "error")
 
     def _run_one_at_a_time(self) -> None:
-        """ARMT: each request alone through `jaxlongctx.generate` (its memory reads the prompt)."""
+        """ARMT: each request alone through `jaxlongctx.generate` (its memory reads the prompt), its
+        tokens streamed as they are chosen; a request that ends (or is cancelled) stops its generation."""
         while True:
             with self._cv:
                 while not self._waiting and not self._stopping:
@@ -359,17 +360,30 @@ class Engine:
                 seed=req.seed,
                 stop_ids=() if req.ignore_eos else tuple(self.stop_ids),
             )
+            self.metrics.admitted(len(req.prompt_ids))
+            last = time.monotonic()
+
+            def stream(tok: np.ndarray) -> None:  # tok [1]
+                nonlocal last
+                now = time.monotonic()
+                self.metrics.stepped(1, 1, now - last)
+                last = now
+                if req.cancelled.is_set():
+                    self._end(0, "cancelled")
+                    raise _Ended
+                if self._take(req, int(tok[0]), 0):
+                    raise _Ended
+
             try:
-                out = generate(self.model, np.asarray([req.prompt_ids], np.int32), params)
+                generate(self.model, np.asarray([req.prompt_ids], np.int32), params, stream=stream)
+            except _Ended:
+                continue
             except Exception:
                 print(traceback.format_exc(), file=sys.stderr)
                 self._end(0, "error")
                 continue
-            self.metrics.admitted(len(req.prompt_ids))
-            new = out[0, len(req.prompt_ids) :].tolist()  # max_tokens ids: one of them ends the request
-            for tok in new:
-                if self._take(req, int(tok), None):
-                    break
-            with self._cv:
-                self._slots[0] = None
-            self.metrics.stepped(1, len(req.generated))
+            self._end(0, "length")  # max_tokens ids always end it above; never left in its slot
+
+
+class _Ended(Exception):
+    """Raised from a streamed generation's callback once its request has ended."""
