@@ -369,13 +369,17 @@ def conversations_that_fit(model: Any, pq: Any, gguf: Path) -> dict[str, Any]:
         f"dense_{_dtype_name(model)}": cache_bytes_per_slot(model, None, CONVERSATION),
         "pq": cache_bytes_per_slot(model, pq, CONVERSATION),
     }
-    if _dtype_name(model) != "bf16":
-        per["dense_bf16"] = cache_bytes_per_slot(jaxlongctx.load(gguf, "bf16"), None, CONVERSATION)
+    if _dtype_name(model) != "bf16":  # a bf16 model's caches: dense bf16, PQ with a bf16 exact window
+        bf16 = jaxlongctx.load(gguf, "bf16")
+        per["dense_bf16"] = cache_bytes_per_slot(bf16, None, CONVERSATION)
+        per["pq_bf16"] = cache_bytes_per_slot(bf16, pq, CONVERSATION)
     for kind, size in per.items():
         fit[kind] = {"bytes_per_conversation": size, "conversations": MEMORY_BUDGET // size}
     for kind in per:
-        if kind != "pq":
+        if kind.startswith("dense"):
             fit[f"pq_over_{kind}"] = fit["pq"]["conversations"] / fit[kind]["conversations"]
+    if "pq_bf16" in fit:
+        fit["pq_bf16_over_dense_bf16"] = fit["pq_bf16"]["conversations"] / fit["dense_bf16"]["conversations"]
     return fit
 
 
@@ -423,7 +427,7 @@ def _summary(rows: list[dict], fit: dict) -> dict[str, Any]:
             goals["goal_ahead_of_llama_cpp_met"] = goals["throughput_over_llama_cpp_at_8"] > 1
         if goals:
             out[kind] = goals
-    for key in ("pq_over_dense_fp32", "pq_over_dense_bf16"):
+    for key in ("pq_over_dense_fp32", "pq_over_dense_bf16", "pq_bf16_over_dense_bf16"):
         if key in fit:
             out[key.replace("pq_over", "pq_conversations_over")] = fit[key]
     if "pq_over_dense_fp32" in fit:
