@@ -468,7 +468,10 @@ def _plot(rows: list[dict], name: str) -> None:
     ax2.set(
         xlabel="concurrent clients", ylabel="seconds", title="time to first token", xscale="log", yscale="log"
     )
+    counts = sorted({r["clients"] for r in rows})
     for ax in (ax1, ax2):
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.minorticks_off()
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     save_plot(fig, plot_path(name))
