@@ -55,15 +55,43 @@ def pq_prefill(
 ) -> tuple[jnp.ndarray, PQCache]:
     """Full-precision forward over ids/mask `[B, T]`; returns last-token logits `[B, V]` and the encoded
     cache, its first `sinks` and `observed` attended-to prompt tokens per layer and kv head exact."""
+    q_observed = None
     if observed:  # the last OBSERVE prompt tokens' queries choose the observed tokens
         attend = ObservingPrefill(mask, observed_slots(mask, OBSERVE))
         h, (k, v, q_observed) = forward_with(module, ids, mask, attend)  # k/v: L B T K D
+    else:
+        h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)
+    logits = module.head(jnp.take_along_axis(h, last_real_index(mask)[:, None, None], axis=1))[:, 0]
+    cache = pq_encode_prompt(
+        k, v, mask, q_observed, k_cent, v_cent, capacity, window, keep_tail_exact, sinks, observed,
+        k_weights, v_weights,
+    )  # fmt: skip
+    return logits, cache
+
+
+def pq_encode_prompt(
+    k: jnp.ndarray,
+    v: jnp.ndarray,
+    mask: jnp.ndarray,
+    q_observed: jnp.ndarray | None,
+    k_cent: jnp.ndarray,
+    v_cent: jnp.ndarray,
+    capacity: int,
+    window: int,
+    keep_tail_exact: bool,
+    sinks: int = 0,
+    observed: int = 0,
+    k_weights: jnp.ndarray | None = None,
+    v_weights: jnp.ndarray | None = None,
+) -> PQCache:
+    """A prompt's post-RoPE keys/values `k/v [L, B, T, K, D]` (real slots in `mask [B, T]`) encoded into
+    a `PQCache` of `capacity` slots; with `observed`, `q_observed [L, B, OBSERVE, H, D]` are the queries
+    of each row's last OBSERVE real tokens, which choose the exact tokens."""
+    if observed:
         tail = exact_tail(mask.sum(axis=1).astype(jnp.int32), window) if keep_tail_exact else 0
         pinned = pinned_prompt_tokens(mask, sinks, observed, q_observed, k, tail)
     else:
-        h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)
         pinned = pinned_prompt_tokens(mask, sinks) if sinks else None
-    logits = module.head(jnp.take_along_axis(h, last_real_index(mask)[:, None, None], axis=1))[:, 0]
     mesh, heads = mesh_of_arrays(k), None
     if pinned is not None and mesh is not None:  # split like k [L B T K D]
         batch, _, heads = jax.typeof(k).sharding.spec[1:4]
@@ -83,7 +111,7 @@ def pq_prefill(
         )
 
     args = (k, v, mask, k_cent, v_cent, pinned, k_weights, v_weights)
-    return logits, per_kv_shard(encode, _cache_specs(mask), *args)
+    return per_kv_shard(encode, _cache_specs(mask), *args)
 
 
 def _cache_specs(rows: jnp.ndarray) -> PQCache:

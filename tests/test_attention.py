@@ -51,6 +51,20 @@ def test_blocked_prefill_equals_full_attention(t, chunk, key_block):
     assert np.isfinite(blocked).all()
 
 
+@pytest.mark.parametrize("offset", [0, 37, 130])
+def test_blocked_prefill_of_a_chunk_at_an_offset_equals_full_attention(offset):
+    """A chunk of 40 queries at slots offset + t over a longer key buffer (the chunked prefill's):
+    the same as `attention` with those query slots; key tiles past the chunk are skipped."""
+    q, k, v, valid = _prefill_inputs(200, seed=5)
+    q = q[:, offset : offset + 40]
+    slots = jnp.broadcast_to(offset + jnp.arange(40), (2, 40))
+    at = jnp.int32(offset)
+    blocked = causal_prefill_attention(q, k, v, valid, chunk=16, key_block=32, offset=at)
+    full = attention(q, k, v, slots, valid)
+    seen = np.asarray(jnp.take_along_axis(jnp.cumsum(valid, axis=1) > 0, slots, axis=1))
+    np.testing.assert_allclose(np.asarray(blocked)[seen], np.asarray(full)[seen], atol=1e-5)
+
+
 def test_blocked_prefill_gradients_equal_full_attention():
     t = 150
     q, k, v, valid = _prefill_inputs(t, seed=3)

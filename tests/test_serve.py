@@ -36,7 +36,9 @@ def servers(gguf, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     plain = ServerProcess(["--model", str(gguf), "--max-batch", "4"], logs / "plain.log")
     tp = ServerProcess(
-        ["--model", str(gguf), "--max-batch", "2", "--tp", "2", "--api-key", KEY], logs / "tp.log", devices=2
+        ["--model", str(gguf), "--max-batch", "2", "--tp", "2", "--api-key", KEY, "--prefill-chunk", "32"],
+        logs / "tp.log",
+        devices=2,
     )
     try:
         yield plain.wait_ready(), tp.wait_ready()
@@ -232,9 +234,11 @@ def test_api_key_and_tensor_parallel_on_two_devices(servers, model):
     r = httpx.post(tp.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi"}, timeout=30)  # no key
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     keyed = openai.OpenAI(base_url=tp.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    ids = model.tokenizer.encode(TEXTS[0]).ids
+    prompt = " ".join(TEXTS)  # 82 tokens: prefilled in chunks of 32 over the two devices
+    ids = model.tokenizer.encode(prompt).ids
+    assert len(ids) > 64
     text, _ = _reference(model, ids, 16)
-    answer = keyed.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=16, temperature=0)
+    answer = keyed.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
     assert answer.choices[0].text == text
     assert "tp" not in plain.metrics()  # the plain server needs no key for its metrics either
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
+import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
@@ -20,6 +22,7 @@ from jaxlongctx.kvcache.model_codebooks import load_codebooks_for
 from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.serve import Engine, EngineOptions, GenerationRequest
 from jaxlongctx.serve.api import create_app
+from jaxlongctx.serve.chunked_prefill import chunk_plan
 from jaxlongctx.serve.engine import Finished, Overloaded, PromptTooLong
 from jaxlongctx.serve.text import OutputText
 
@@ -67,18 +70,23 @@ def _alone(model, prompt, n, cache=None) -> list[int]:
     return new[: ends[0]] if ends else new
 
 
+def _cache(model, kind: str) -> PQKV | None:
+    """The test PQ cache (a window of 8 that flushes often) or None (dense)."""
+    return PQKV(load_codebooks_for(model, f"{ASSETS}/base_model_pq_ds2"), window=8) if kind == "pq" else None
+
+
 @pytest.mark.parametrize("kind", ["dense", "pq"])
 def test_batched_greedy_equals_generate_alone(base_model, kind):
-    """6 requests of different lengths through 3 slots (slots are reused, requests join mid-batch):
-    each answer equals generate's for it alone, token for token; the PQ window of 8 flushes often."""
-    cache = None
-    if kind == "pq":
-        cache = PQKV(load_codebooks_for(base_model, f"{ASSETS}/base_model_pq_ds2"), window=8)
-    engine = Engine(
-        base_model, EngineOptions(max_batch=3, max_context=256, **({"cache": cache} if cache else {}))
-    )
+    """6 requests of different lengths through 3 slots (slots are reused, requests join mid-batch),
+    two of them longer than the prefill chunk (read in 3 chunks while the others decode): each answer
+    equals generate's for it alone, token for token; the PQ window of 8 flushes often."""
+    cache = _cache(base_model, kind)
+    options = EngineOptions(max_batch=3, max_context=256, prefill_chunk=32)
+    engine = Engine(base_model, replace(options, cache=cache) if cache else options)
     engine.start()
     prompts = _prompts(6, base_model.config.vocab_size)
+    rng = np.random.default_rng(3)
+    prompts[1], prompts[4] = (rng.integers(3, base_model.config.vocab_size, n).tolist() for n in (70, 100))
     lengths = [12, 20] * 3
     try:
         results = _run(engine, prompts, lengths, temperature=0.0)
@@ -90,10 +98,50 @@ def test_batched_greedy_equals_generate_alone(base_model, kind):
     m = engine.metrics_snapshot()
     assert m["busy_slots"] == 0 and m["queue_depth"] == 0 and m["requests"]["finished"] == 6
     assert 1 / 3 < m["mean_batch_occupancy"] <= 1  # slots were shared
+    _check_chunked_equals_whole(engine.decoder, prompts[4], kind)
 
 
-def test_armt_served_one_at_a_time_equals_generate():
-    model = jaxlongctx.load(f"{ASSETS}/armt_model")
+def _check_chunked_equals_whole(decoder, ids: list[int], kind: str) -> None:
+    """A 100-token prompt read in chunks of 32 (the last one of 32, the one before it shortened to 4)
+    gives the whole-prompt prefill's logits and cache row: the same keys and values (dense), the same
+    codes, window and exact tokens (PQ)."""
+    job = decoder.start_reading(ids)
+    assert decoder.chunked(ids) and job.plan == [(0, 32), (32, 32), (64, 4), (68, 32)]
+    while not job.finished:
+        decoder.read_next_chunk(job)
+    padded = np.zeros((1, 128), np.int32)
+    padded[0, :100] = ids
+    whole_logits, whole = decoder._prefill_row(padded, padded > 0)
+    chunked = decoder._row_from_prompt(
+        128, job.k, job.v, jnp.int32(100), job.q_observed, *decoder._row_args()
+    )
+    np.testing.assert_allclose(job.logits, whole_logits, rtol=1e-4, atol=1e-4)
+    for name, a, b in zip(whole._fields, whole, chunked):
+        if a is None:
+            continue
+        if kind == "dense" and name in ("k", "v"):  # [L, 1, K, S, hd]: the pads' slots differ, unread
+            a, b = a[:, :, :, :100], b[:, :, :, :100]
+        if name.endswith("window"):  # [L, 1, K, P + R, hd]: the row's exact tokens
+            a, b = (x[:, :, :, : int(whole.window_lengths[0])] for x in (a, b))
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+        elif name.endswith("codes"):  # the coded tokens' slots: at most a rare nearest-centroid tie apart
+            coded = int(whole.lengths[0])
+            assert coded > 10 and np.mean(np.asarray(a[..., :coded, :] == b[..., :coded, :])) > 0.999, name
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    with pytest.raises(ValueError, match="chunk must be >= 32"):
+        chunk_plan(100, 16)
+    assert chunk_plan(64, 32) == [(0, 32), (32, 32)] and chunk_plan(80, 32) == [(0, 32), (32, 16), (48, 32)]
+
+
+@pytest.fixture(scope="module")
+def armt_model():
+    return jaxlongctx.load(f"{ASSETS}/armt_model")
+
+
+def test_armt_served_one_at_a_time_equals_generate(armt_model):
+    model = armt_model
     engine = Engine(model, EngineOptions(max_batch=4, max_context=256)).start()
     prompts = _prompts(3, model.config.vocab_size, seed=1)
     try:
@@ -103,6 +151,31 @@ def test_armt_served_one_at_a_time_equals_generate():
     assert engine.one_at_a_time
     for p, n, r in zip(prompts, [20, 12, 20], results):
         assert list(r.ids) == _alone(model, p, n)
+
+
+def test_armt_streams_and_a_cancel_stops_its_generation(armt_model):
+    """An ARMT answer streams token by token: cancelled at its first piece, it ends there, long
+    before its 200 tokens."""
+    model = armt_model
+    engine = Engine(model, EngineOptions(max_context=256)).start()
+    events, finished = [], threading.Event()
+
+    def emit(event):
+        events.append(event)
+        if isinstance(event, str) and event:
+            req.cancel()
+        if isinstance(event, Finished):
+            finished.set()
+
+    prompt = _prompts(1, model.config.vocab_size, seed=1)[0]  # compiled already, with these settings
+    req = GenerationRequest(prompt, emit, max_tokens=200)
+    try:
+        engine.submit(req)
+        assert finished.wait(120)
+    finally:
+        engine.shutdown(60)
+    assert events[-1].reason == "cancelled" and 1 <= events[-1].completion_tokens < 10
+    assert engine.metrics_snapshot()["busy_slots"] == 0
 
 
 def test_per_slot_sampling_and_context_limit(base_model):

@@ -10,6 +10,7 @@ computes for a whole sequence, so that greedy decoding equals its repeated argma
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -233,6 +234,7 @@ def generate_ids(
     attention_mask: Any = None,
     progress: bool = False,
     timings: dict | None = None,
+    stream: Callable[[np.ndarray], Any] | None = None,
 ) -> np.ndarray:
     """Generate `sampling.max_new_tokens` after `ids [B, T]` (pads anywhere, per `attention_mask`);
     returns ids `[B, T + new]`. The prompt's segments but its last run through `memory.schedule`;
@@ -283,4 +285,4 @@ def generate_ids(
         return tok, done, logits, (state, cache, window, pos, opened, first)
 
     carry = (state, cache, put_batch(window, mesh), lengths - start, np.ones(len(lengths), bool), start == 0)
-    return req.decode(logits, carry, run, progress=progress, timings=timings)
+    return req.decode(logits, carry, run, progress=progress, timings=timings, stream=stream)

@@ -277,11 +277,9 @@ class ARMTModel(OwnMemoryModel):
                 f"cache={type(cache).__name__}(...) applies to full-attention models; an ARMT model keeps "
                 "its own recurrent memory (pass cache=ARMTMemory() or leave it out)"
             )
-        if stream is not None:
-            raise ValueError("stream= is not supported for ARMT models; generate and decode the ids instead")
         if uses_open_segment(self):
-            return generate_open_segment(self, ids, params, cache, **options)
-        return generate_ids(self, ids, params, cache, **options)
+            return generate_open_segment(self, ids, params, cache, stream=stream, **options)
+        return generate_ids(self, ids, params, cache, stream=stream, **options)
 
     def generation_logits(self, ids: Any, prompt_length: int, schedule: str = "diagonal") -> jnp.ndarray:
         """Logits `[B, T, V]` of ids `[B, T]` as decoding after their first `prompt_length` tokens

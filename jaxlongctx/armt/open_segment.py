@@ -19,6 +19,7 @@ the rows it runs), so the version options (`ARMTConfig.mem_mem_mask`, ...) hold 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -201,6 +202,7 @@ def generate_open_segment(
     progress: bool = False,
     timings: dict | None = None,
     step_logits: list | None = None,
+    stream: Callable[[np.ndarray], Any] | None = None,
 ) -> np.ndarray:
     """Generate `sampling.max_new_tokens` after `ids [B, T]` (pads anywhere, per `attention_mask`; rows
     are compacted) as the reference does; returns ids `[B, T + new]`. The committed prompt segments run
@@ -238,4 +240,6 @@ def generate_open_segment(
 
     if step_logits is not None:
         step_logits.append(logits)
-    return req.decode(logits, (state, cache, n, opens == 0), run, progress=progress, timings=timings)
+    return req.decode(
+        logits, (state, cache, n, opens == 0), run, progress=progress, timings=timings, stream=stream
+    )

@@ -20,6 +20,7 @@ from jaxlongctx.cli_options import add_model_argument
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `jaxlongctx serve`."""
     from jaxlongctx.cli import add_parallel_arguments
+    from jaxlongctx.serve.chunked_prefill import DEFAULT_CHUNK
     from jaxlongctx.serve.engine import DEFAULT_MAX_CONTEXT
 
     add_model_argument(
@@ -45,6 +46,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-queue", type=int, default=256, help="waiting requests before 429 answers (default 256)"
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULT_CHUNK,
+        help=f"a longer prompt is prefilled this many tokens at a time between decode steps, so that "
+        f"the other requests keep streaming (default {DEFAULT_CHUNK}, at least 32)",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument(
@@ -73,7 +81,7 @@ def run_serve(args: argparse.Namespace) -> None:
     cache = kv_cache_from_args(args, model)
     if isinstance(cache, PQKV) and not isinstance(model, Model):
         raise ValueError("--kv-cache pq applies to full-attention models, not to an ARMT model")
-    options = EngineOptions(args.max_batch, args.max_context, args.max_queue, cache)
+    options = EngineOptions(args.max_batch, args.max_context, args.max_queue, cache, args.prefill_chunk)
     engine = Engine(model, options).start()
     default_name = (
         "SmolLM2-135M-Instruct" if args.model is None else (path.stem if path.is_file() else path.name)

@@ -100,28 +100,31 @@ def causal_prefill_attention(
     key_valid: jnp.ndarray,
     chunk: int = PREFILL_QUERY_BLOCK,
     key_block: int = PREFILL_KEY_BLOCK,
+    offset: jnp.ndarray | int = 0,
 ) -> jnp.ndarray:
-    """Causal attention where query t sits at slot t.
+    """Causal attention where query t sits at slot `offset + t` and sees the valid key slots up to it.
 
     Inputs longer than `chunk` run flash-style: blocks of `chunk` queries walk the key blocks of
     their causal prefix with an online softmax (running max and sum), so no score tile outgrows the
     CPU cache and blocks above the diagonal are skipped. The result equals `attention` up to float
     rounding; the loops are static-length (`fori_loop` + `cond`), so it is also differentiable.
 
-    q `[B, T, H, hd]`, k/v `[B, T, K, hd]`, key_valid `[B, T]` -> `[B, T, H, hd]`.
+    q `[B, T, H, hd]`, k/v `[B, S, K, hd]`, key_valid `[B, S]` -> `[B, T, H, hd]`; S = T unless a
+    chunk of queries (at `offset`, a traced int) reads a longer buffer of keys (chunked prefill).
     """
     b, t, h, hd = q.shape
-    if t <= chunk:
+    s = k.shape[1]
+    if t <= chunk and s == t:
         return attention(q, k, v, jnp.broadcast_to(jnp.arange(t), (b, t)), key_valid)
     kv = k.shape[2]
     g = h // kv
     n_q, n_k = (
         -(-t // chunk),
-        -(-t // key_block),
+        -(-s // key_block),
     )  # queries and keys padded apart: no tile is wasted on padding
 
     def pad_to(x, length):
-        return jnp.pad(x, ((0, 0), (0, length - t)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.pad(x, ((0, 0), (0, length - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
 
     q_blocks = (
         pad_to(q, n_q * chunk).reshape(b, n_q, chunk, kv, g, hd).transpose(1, 0, 3, 2, 4, 5)
@@ -132,7 +135,7 @@ def causal_prefill_attention(
 
     def query_block(_, xs):
         i, qi = xs  # qi: B K c G hd
-        q_slots = i * chunk + jnp.arange(chunk)
+        q_slots = offset + i * chunk + jnp.arange(chunk)
 
         def key_tile(j, state):
             top, total, acc = state  # B K c G (x hd for acc)
@@ -154,7 +157,8 @@ def causal_prefill_attention(
             return new_top, total * rescale + jnp.sum(weights, axis=-1), acc * rescale[..., None] + pv
 
         def maybe_tile(j, state):  # key blocks past this query block's last slot hold nothing it sees
-            return jax.lax.cond(j * key_block <= (i + 1) * chunk - 1, key_tile, lambda _, s: s, j, state)
+            last = offset + (i + 1) * chunk - 1
+            return jax.lax.cond(j * key_block <= last, key_tile, lambda _, s: s, j, state)
 
         init = (
             jnp.full((b, kv, chunk, g), _MASKED, jnp.float32),

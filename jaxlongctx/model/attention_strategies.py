@@ -12,6 +12,7 @@ a strategy only adapts them to the layer.
   (the published ARMT cell).
 - `SlotAttention`: queries at given slots over the call's own keys (ARMT's decoding window).
 - `CachedDecode`: one new token over a static dense cache plus its own K/V (dense decode).
+- `PromptChunk`: a chunk of a prompt over the prompt's keys so far and its own (chunked prefill).
 - `SlotWriteDecode`: new tokens written into their rows' cache slots, then attention over the cache
   (ARMT decode step).
 - `PQDecode`: one new token over a PQ-coded cache and its exact window (MILLION decode).
@@ -26,6 +27,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxlongctx.kvcache.exact_window import recent_exact_attention
@@ -127,6 +129,30 @@ class CachedDecode:
         else:
             out = cached_decode_attention(q, self.cache_k, self.cache_v, self.visible, self.layer, k, v)
         return out, tuple(x.swapaxes(1, 2).astype(self.cache_k.dtype) for x in (k, v))
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptChunk:
+    """A chunk of a prompt's tokens, at slots `start + t` (q `[B, C, H, hd]`), written into one layer's
+    prompt buffer `prompt_k/v [B, S, K, hd]` (which holds the prompt's earlier slots), then attending
+    causally over the buffer's slots in `key_valid [B, S]`. aux: the chunk's k/v `[B, C, K, hd]` in the
+    buffer's dtype (for the caller to write after the layer scan) and its queries at the chunk slots
+    `observe [W]` `[B, W, H, hd]` (what `ObservingPrefill` collects)."""
+
+    prompt_k: jnp.ndarray
+    prompt_v: jnp.ndarray
+    start: jnp.ndarray
+    key_valid: jnp.ndarray
+    observe: jnp.ndarray
+
+    def __call__(self, q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray) -> tuple[jnp.ndarray, Any]:
+        k, v = k.astype(self.prompt_k.dtype), v.astype(self.prompt_v.dtype)
+        keys, values = (
+            jax.lax.dynamic_update_slice_in_dim(buf, new, self.start, axis=1)
+            for buf, new in ((self.prompt_k, k), (self.prompt_v, v))
+        )
+        out = causal_prefill_attention(q, keys, values, self.key_valid, offset=self.start)
+        return out, (k, v, jnp.take(q, self.observe, axis=1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """The serving engine: requests wait in a queue, join a free decode slot as soon as there is one
-(prefilled between two decode steps), are decoded together by one batched step, and leave their slot
+(prefilled between two decode steps, a long prompt a chunk at a time between several), are decoded
+together by one batched step, and leave their slot
 the moment they end (stop id, stop string, max tokens, the context, or cancelled by the client).
 
 It runs in its own thread; a request's text pieces and its end reach the caller through the
 request's `emit` callback, called from that thread. ARMT models (their own memory, no KV cache) are
-served one request at a time through `jaxlongctx.generate`.
+served one request at a time through `jaxlongctx.generate`, streamed token by token.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxlongctx.cache_choice import PQKV, DenseKV, OwnMemoryModel
@@ -26,6 +28,7 @@ from jaxlongctx.generate import generate
 from jaxlongctx.model.model import Model
 from jaxlongctx.sampling import SamplingParams
 from jaxlongctx.serve.batch_decode import BatchDecoder, DenseBatchDecoder, PQBatchDecoder, SlotSampling
+from jaxlongctx.serve.chunked_prefill import DEFAULT_CHUNK, PromptReading
 from jaxlongctx.serve.metrics import Metrics
 from jaxlongctx.serve.sampling import slot_key
 from jaxlongctx.serve.text import OutputText
@@ -49,12 +52,14 @@ class ShuttingDown(RuntimeError):
 class EngineOptions:
     """`max_batch`: decode slots; `max_context`: tokens per conversation (prompt + answer; default the
     model's, at most DEFAULT_MAX_CONTEXT); `max_queue`: waiting requests before new ones are refused;
-    `cache`: `DenseKV()` or `PQKV(codebooks)` (full-attention models)."""
+    `cache`: `DenseKV()` or `PQKV(codebooks)` (full-attention models); `prefill_chunk`: a longer prompt
+    is prefilled this many tokens at a time between decode steps."""
 
     max_batch: int = 8
     max_context: int | None = None
     max_queue: int = 256
     cache: DenseKV | PQKV = field(default_factory=DenseKV)
+    prefill_chunk: int = DEFAULT_CHUNK
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,13 @@ class GenerationRequest:
     output: OutputText | None = None
     generated: list[int] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
+    reading: PromptReading | None = None  # a long prompt being read chunk by chunk
+    decoding: bool = False  # prefilled: its slot decodes
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.prompt_ids) if self.reading is None else self.reading.remaining
 
     def cancel(self) -> None:
         """Ask the engine to drop this request (its slot is freed before the next step)."""
@@ -118,9 +130,12 @@ class Engine:
                 raise ValueError(f"cannot serve a {type(model).__name__}")
             model.check_length(context)
             if isinstance(options.cache, PQKV):
-                self.decoder = PQBatchDecoder(model, self.batch, context, options.cache)
+                self.decoder = PQBatchDecoder(
+                    model, self.batch, context, options.cache, options.prefill_chunk
+                )
             else:
-                self.decoder = DenseBatchDecoder(model, self.batch, context)
+                self.decoder = DenseBatchDecoder(model, self.batch, context, options.prefill_chunk)
+        self._prefill_rate = 1000.0  # prompt tokens per second, measured as prompts are prefilled
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._slots: list[GenerationRequest | None] = [None] * self.batch
         self._cv = threading.Condition()
@@ -209,40 +224,74 @@ class Engine:
                     self._cv.wait()
                 if self._stopping and not self._waiting and not any(self._slots):
                     return
-                joining = []
                 for b, s in enumerate(self._slots):
                     if s is None and self._waiting:
                         self._slots[b] = self._waiting.popleft()
-                        joining.append(b)
-            for b in joining:
-                self._admit(b, positions, sampling)
             self._drop_cancelled()
-            active = np.asarray([s is not None for s in self._slots])
+            self._prefill(positions, sampling)
+            active = np.asarray([s is not None and s.decoding for s in self._slots])
             if not active.any():
                 continue
+            t0 = time.monotonic()
             try:
                 tok = self.decoder.step(active, positions, sampling)
             except Exception:
                 self._fail_all(traceback.format_exc())
                 continue
+            seconds = time.monotonic() - t0
             sampling.steps[active] += 1
             positions[active] += 1
             for b in np.flatnonzero(active):
                 self._take(self._slots[b], int(tok[b]), b)
-            self.metrics.stepped(int(active.sum()), int(active.sum()))
+            self.metrics.stepped(int(active.sum()), int(active.sum()), seconds)
 
-    def _admit(self, b: int, positions: np.ndarray, sampling: SlotSampling) -> None:
-        """Prefill slot b's new request and set its position and sampling."""
+    def _prefill(self, positions: np.ndarray, sampling: SlotSampling) -> None:
+        """Prefill waiting slots' prompts, about one chunk of prompt tokens in all, before the next
+        decode step: whole prompts of at most a chunk, a chunk of a longer one. The slot whose prompt
+        is quickest to finish goes first (fewest tokens left, less those its wait is worth at the
+        measured prefill rate, so that newer short prompts pass a long one for at most about the
+        long one's own prefill time)."""
+        budget = self.decoder.chunk
+        while budget > 0:
+            now = time.monotonic()
+            pending = [b for b, s in enumerate(self._slots) if s is not None and not s.decoding]
+            if not pending:
+                return
+            b = min(
+                pending,
+                key=lambda b: (
+                    self._slots[b].prompt_left - self._prefill_rate * (now - self._slots[b].submitted_at)
+                ),
+            )
+            req = self._slots[b]
+            try:
+                if not self.decoder.chunked(req.prompt_ids):
+                    used = len(req.prompt_ids)
+                    self.decoder.admit(b, req.prompt_ids)
+                else:
+                    req.reading = req.reading or self.decoder.start_reading(req.prompt_ids)
+                    used = req.reading.plan[req.reading.done][1]
+                    self.decoder.read_next_chunk(req.reading)
+                    if req.reading.finished:
+                        self.decoder.admit_read(b, req.reading)
+                        req.reading = None
+                jax.block_until_ready(self.decoder.logits if req.reading is None else req.reading.logits)
+            except Exception:
+                print(traceback.format_exc(), file=sys.stderr)
+                self._end(b, "error")
+                continue
+            budget -= used
+            elapsed = time.monotonic() - now
+            self.metrics.prefilled(elapsed)
+            if elapsed > 0:  # prompt tokens per second, smoothed
+                self._prefill_rate = 0.8 * self._prefill_rate + 0.2 * used / elapsed
+            if req.reading is None:
+                self._joined(b, positions, sampling)
+
+    def _joined(self, b: int, positions: np.ndarray, sampling: SlotSampling) -> None:
+        """Slot b's request is prefilled: it decodes from the next step on."""
         req = self._slots[b]
-        if req.cancelled.is_set():
-            self._end(b, "cancelled")
-            return
-        try:
-            self.decoder.admit(b, req.prompt_ids)
-        except Exception:
-            print(traceback.format_exc(), file=sys.stderr)
-            self._end(b, "error")
-            return
+        req.decoding = True
         self.metrics.admitted(len(req.prompt_ids))
         positions[b] = len(req.prompt_ids)
         sampling.temperature[b] = req.temperature
@@ -292,7 +341,8 @@ class Engine:
                 self._end(b, "error")
 
     def _run_one_at_a_time(self) -> None:
-        """ARMT: each request alone through `jaxlongctx.generate` (its memory reads the prompt)."""
+        """ARMT: each request alone through `jaxlongctx.generate` (its memory reads the prompt), its
+        tokens streamed as they are chosen; a request that ends (or is cancelled) stops its generation."""
         while True:
             with self._cv:
                 while not self._waiting and not self._stopping:
@@ -310,17 +360,30 @@ class Engine:
                 seed=req.seed,
                 stop_ids=() if req.ignore_eos else tuple(self.stop_ids),
             )
+            self.metrics.admitted(len(req.prompt_ids))
+            last = time.monotonic()
+
+            def stream(tok: np.ndarray) -> None:  # tok [1]
+                nonlocal last
+                now = time.monotonic()
+                self.metrics.stepped(1, 1, now - last)
+                last = now
+                if req.cancelled.is_set():
+                    self._end(0, "cancelled")
+                    raise _Ended
+                if self._take(req, int(tok[0]), 0):
+                    raise _Ended
+
             try:
-                out = generate(self.model, np.asarray([req.prompt_ids], np.int32), params)
+                generate(self.model, np.asarray([req.prompt_ids], np.int32), params, stream=stream)
+            except _Ended:
+                continue
             except Exception:
                 print(traceback.format_exc(), file=sys.stderr)
                 self._end(0, "error")
                 continue
-            self.metrics.admitted(len(req.prompt_ids))
-            new = out[0, len(req.prompt_ids) :].tolist()  # max_tokens ids: one of them ends the request
-            for tok in new:
-                if self._take(req, int(tok), None):
-                    break
-            with self._cv:
-                self._slots[0] = None
-            self.metrics.stepped(1, len(req.generated))
+            self._end(0, "length")  # max_tokens ids always end it above; never left in its slot
+
+
+class _Ended(Exception):
+    """Raised from a streamed generation's callback once its request has ended."""

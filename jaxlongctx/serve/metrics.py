@@ -1,5 +1,5 @@
 """Counters of a serving engine for the metrics endpoint: requests, generated tokens and their rate,
-batch occupancy (busy slots per decode step) and queue depth."""
+batch occupancy (busy slots per decode step), queue depth, time spent prefilling and decoding."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ class Metrics:
         self.generated_tokens = 0
         self.steps = 0
         self.busy_slot_steps = 0
+        self.prefill_s = 0.0  # engine time spent prefilling prompts
+        self.decode_s = 0.0  # engine time spent in decode steps
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
 
     def count(self, name: str, n: int = 1) -> None:
@@ -33,10 +35,16 @@ class Metrics:
         with self._lock:
             self.prompt_tokens += prompt_tokens
 
-    def stepped(self, busy: int, tokens: int) -> None:
-        """One decode step with `busy` occupied slots that produced `tokens` tokens."""
+    def prefilled(self, seconds: float) -> None:
+        """Time spent prefilling (a prompt or a chunk of one)."""
+        with self._lock:
+            self.prefill_s += seconds
+
+    def stepped(self, busy: int, tokens: int, seconds: float = 0.0) -> None:
+        """One decode step of `seconds` with `busy` occupied slots that produced `tokens` tokens."""
         now = time.monotonic()
         with self._lock:
+            self.decode_s += seconds
             self.steps += 1
             self.busy_slot_steps += busy
             self.generated_tokens += tokens
@@ -56,6 +64,9 @@ class Metrics:
                 "generated_tokens": self.generated_tokens,
                 "tokens_per_s": sum(recent) / span if span > 0 else 0.0,
                 "decode_steps": self.steps,
+                "busy_slot_steps": self.busy_slot_steps,
+                "prefill_s": self.prefill_s,
+                "decode_s": self.decode_s,
                 "batch_slots": slots,
                 "busy_slots": busy,
                 "mean_batch_occupancy": self.busy_slot_steps / (self.steps * slots) if self.steps else 0.0,
