@@ -57,11 +57,11 @@ def pq_prefill(
     cache, its first `sinks` and `observed` attended-to prompt tokens per layer and kv head exact."""
     if observed:  # the last OBSERVE prompt tokens' queries choose the observed tokens
         attend = ObservingPrefill(mask, observed_slots(mask, OBSERVE))
-        h, (k, v, q_observed) = forward_with(module, ids, mask, attend)  # k/v: L B T K D
+        h, (k, v, q_observed) = forward_with(module, ids, mask, attend, in_place=True)  # k/v: L B T K D
         tail = exact_tail(mask.sum(axis=1).astype(jnp.int32), window) if keep_tail_exact else 0
         pinned = pinned_prompt_tokens(mask, sinks, observed, q_observed, k, tail)
     else:
-        h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)
+        h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True, in_place=True)
         pinned = pinned_prompt_tokens(mask, sinks) if sinks else None
     logits = module.head(jnp.take_along_axis(h, last_real_index(mask)[:, None, None], axis=1))[:, 0]
     mesh, heads = mesh_of_arrays(k), None
