@@ -67,6 +67,12 @@ void micro_tile(const float* x, int64_t ldx, const W* panel, int64_t depth, floa
     }
   }
   for (int i = 0; i < R; ++i) {
+    float* o = y + i * ldy;
+    if (sizeof(W) == 4 && cols == kCols) {  // a whole float32 tile: in column order already
+      store(o, add ? load(o) + lo[i] : lo[i]);
+      store(o + kLanes, add ? load(o + kLanes) + hi[i] : hi[i]);
+      continue;
+    }
     float t[kCols];
     if constexpr (sizeof(W) == 2) {  // even/odd back to column order
       for (int64_t l = 0; l < kLanes; ++l) t[2 * l] = lo[i][l], t[2 * l + 1] = hi[i][l];
@@ -74,7 +80,6 @@ void micro_tile(const float* x, int64_t ldx, const W* panel, int64_t depth, floa
       store(t, lo[i]);
       store(t + kLanes, hi[i]);
     }
-    float* o = y + i * ldy;
     if (add) {
       for (int64_t j = 0; j < cols; ++j) o[j] += t[j];
     } else {

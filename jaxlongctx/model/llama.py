@@ -11,7 +11,7 @@ from jaxlongctx.model.attention_strategies import CachedDecode, CausalPrefill
 from jaxlongctx.model.layers import DecoderLayer, Dense, FusedDense, rms_norm, stacked_layers
 from jaxlongctx.model.rope import inverse_frequencies, rope_tables
 from jaxlongctx.sharding import embed_lookup, matmul, reshard_like
-from pallas_kernels import decode_attention_cpu
+from pallas_kernels import decode_attention_cpu, prefill_attention_cpu
 from pallas_kernels.layer_matvec_cpu import MAX_ROWS, layer_matvec, layer_matvecs, native_kernel_error
 
 # Decode steps on CPU multiply by the weight matrices where they lie in the stacked arrays
@@ -204,8 +204,15 @@ def forward_hidden(
     model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, collect_kv: bool = False, in_place: bool = False
 ):
     """Full causal forward; returns hidden states `[B, T, D]` and, if asked, per-layer post-RoPE
-    k/v `[L, B, T, K, hd]` (for filling a cache). `in_place`: see `forward_with`."""
-    h, kv = forward_with(model, ids, mask, CausalPrefill(mask, collect_kv=collect_kv), in_place)
+    k/v `[L, B, T, K, hd]` (for filling a cache). `in_place`: see `forward_with`; where the weights are
+    read in place the attention is the native CPU kernel too (`pallas_kernels.prefill_attention_cpu`)."""
+    native = (
+        in_place
+        and prefill_reads_weights_in_place(model.embed[...], ids.shape[0] * ids.shape[1])
+        and prefill_attention_cpu.native_kernel_error() is None
+    )
+    attend = CausalPrefill(mask, collect_kv=collect_kv, native=native)
+    h, kv = forward_with(model, ids, mask, attend, in_place)
     return (h, kv) if collect_kv else h
 
 
