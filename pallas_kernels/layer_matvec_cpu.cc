@@ -41,7 +41,7 @@ constexpr int64_t kStep = 2 * kLanes;  // columns per step of the (in, out) layo
 constexpr int64_t kColumns = 2048;  // output columns per task of the (in, out) layout (sums in L1)
 constexpr int64_t kUnroll = 4;      // weight rows added per pass over the sums
 constexpr int64_t kTransposedTile = 256;   // output columns (weight rows) per task of the transposed layout
-constexpr int64_t kMinBytesPerTask = 1 << 22;  // below this a product runs on the calling thread alone
+constexpr int64_t kMinBytesPerTask = 1 << 17;  // below this a task is not worth a helper thread
 constexpr int64_t kMatvecRows = 16;  // more rows of the (in, out) layout take the GEMM path
 
 struct Problem {
