@@ -25,7 +25,7 @@ from jaxlongctx.sharding import put_batch
 def _prefill(model: Model, capacity: int, params, ids, mask):
     """Full forward over the (bucketed) prompt; returns last-token logits `[B, V]` and the filled cache."""
     module = model.merge(params)
-    h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)  # k/v: L B T K hd
+    h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True, in_place=True)  # k/v: L B T K hd
     last = last_real_index(mask)
     logits = module.head(jnp.take_along_axis(h, last[:, None, None], axis=1))[:, 0]
     return logits, DenseCache.from_prefill(k, v, mask, capacity)

@@ -58,9 +58,9 @@ def pq_prefill(
     q_observed = None
     if observed:  # the last OBSERVE prompt tokens' queries choose the observed tokens
         attend = ObservingPrefill(mask, observed_slots(mask, OBSERVE))
-        h, (k, v, q_observed) = forward_with(module, ids, mask, attend)  # k/v: L B T K D
+        h, (k, v, q_observed) = forward_with(module, ids, mask, attend, in_place=True)  # k/v: L B T K D
     else:
-        h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True)
+        h, (k, v) = forward_hidden(module, ids, mask, collect_kv=True, in_place=True)
     logits = module.head(jnp.take_along_axis(h, last_real_index(mask)[:, None, None], axis=1))[:, 0]
     cache = pq_encode_prompt(
         k, v, mask, q_observed, k_cent, v_cent, capacity, window, keep_tail_exact, sinks, observed,

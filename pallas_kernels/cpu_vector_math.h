@@ -24,36 +24,24 @@ typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
 
-// 16 float lanes on every tier (the PQ kernel's tiles of 16 tokens), and the half-width types that
-// lane sums split vectors into.
+// The fixed-width types that lane sums split vectors into (vf is one of them on each tier).
 typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t v4i __attribute__((vector_size(16)));
 
-// sizeof(V) / 4 floats from p (V: vf by default, or v16).
-template <typename V = vf>
-inline V load(const float* p) {
-  V r;
+// kLanes floats from p.
+inline vf load(const float* p) {
+  vf r;
   std::memcpy(&r, p, sizeof(r));
   return r;
 }
 
-// kLanes (V = vf) or 16 (V = v16) bf16 from p widened to float32 (a bf16 is its float's high half).
-template <typename V = vf>
-inline V load(const uint16_t* p) {
-  if constexpr (sizeof(V) == sizeof(v16)) {
-    v16h h;
-    std::memcpy(&h, p, sizeof(h));
-    return (V)(__builtin_convertvector(h, v16u) << 16);
-  } else {
-    vh h;
-    std::memcpy(&h, p, sizeof(h));
-    return (V)(__builtin_convertvector(h, vu) << 16);
-  }
+// kLanes bf16 from p widened to float32 (a bf16 is its float's high half).
+inline vf load(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 
 inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }

@@ -31,6 +31,7 @@ namespace {
 constexpr int64_t kChunk = 64;     // slots scored before their weights are applied
 constexpr int64_t kMaxGroup = 16;  // query heads per kv head (checked by the caller)
 constexpr int64_t kSlotsPerPass = 4;  // values added to the sums per pass over them
+constexpr int kHeadBlock = 3;  // query heads scored together (their 4-slot dot products fill the registers)
 
 struct Problem {
   const float* q;
@@ -79,6 +80,20 @@ struct Scratch {
   std::vector<int32_t> slots;  // [kChunk] the visible slots of a chunk
 };
 
+// Scores of four slots' keys against H query heads q [H hd] (Vecs vectors each) into w[h * kChunk + u]:
+// 4 H dot products kept in registers (12 for H = 3, with one key vector and a query operand: 16 AVX2
+// registers), the key vectors loaded once per head block.
+template <int H, int64_t Vecs, typename T>
+inline void score4(const T* const key[4], const float* q, float* w) {
+  vf dot[H][4] = {};
+  for (int64_t j = 0; j < Vecs; ++j)
+    for (int u = 0; u < 4; ++u) {
+      const vf kj = load(key[u] + j * kLanes);
+      for (int h = 0; h < H; ++h) dot[h][u] += kj * load(q + h * Vecs * kLanes + j * kLanes);
+    }
+  for (int h = 0; h < H; ++h) jaxlongctx::sums4(dot[h][0], dot[h][1], dot[h][2], dot[h][3], w + h * kChunk);
+}
+
 // Vecs = head_dim / kLanes, a compile-time count so that a key's vectors and the dot products stay in
 // registers.
 template <typename T, int64_t Vecs>
@@ -109,19 +124,10 @@ void run_task(const Problem& p, int64_t task, Scratch& scratch) {
     if (n == 0) continue;
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {  // scores [G, n], four slots at a time (their lane sums reduced together)
-      vf kv[4][Vecs];
-      for (int64_t u = 0; u < 4; ++u)
-        for (int64_t j = 0; j < Vecs; ++j) kv[u][j] = load(keys + slot[i + u] * hd + j * kLanes);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * hd;
-        vf dot[4];
-        for (int64_t u = 0; u < 4; ++u) dot[u] = kv[u][0] * load(qg);
-        for (int64_t j = 1; j < Vecs; ++j) {
-          const vf qj = load(qg + j * kLanes);
-          for (int64_t u = 0; u < 4; ++u) dot[u] += kv[u][j] * qj;
-        }
-        jaxlongctx::sums4(dot[0], dot[1], dot[2], dot[3], weights + g * kChunk + i);
-      }
+      const T* key[4] = {keys + slot[i] * hd, keys + slot[i + 1] * hd, keys + slot[i + 2] * hd, keys + slot[i + 3] * hd};
+      int64_t g = 0;
+      for (; g + kHeadBlock <= G; g += kHeadBlock) score4<kHeadBlock, Vecs>(key, q + g * hd, weights + g * kChunk + i);
+      for (; g < G; ++g) score4<1, Vecs>(key, q + g * hd, weights + g * kChunk + i);
     }
     for (; i < n; ++i) {
       const T* key = keys + slot[i] * hd;

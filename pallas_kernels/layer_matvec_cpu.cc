@@ -1,8 +1,11 @@
-// Few-row products against one layer of stacked weights, read in place, on CPU: an XLA FFI handler.
+// Products against one layer of stacked weights, read in place, on CPU: an XLA FFI handler.
 //
 //   y[m, n] = sum_k x[m, k] * w[layer, k, n]      (w stored [L, K, N], "in, out": the layers' matrices)
 //   y[m, n] = sum_k x[m, k] * w[layer, n, k]      (transposed: w [L, N, K], a tied embedding as head)
 //
+// More than kMatvecRows rows of the (in, out) layout (a prompt's tokens) are a GEMM: `cpu_gemm.h`'s
+// register-blocked kernel, the layer's weights packed once per call. The rest of this file is the
+// few-row path of decode steps:
 // A decode step multiplies one row per sequence by every weight matrix of the model once, so it is
 // bound by reading the weights. XLA's CPU dot takes each layer's slice of the stacked weights as a
 // copy and widens bf16 weights to float32 through memory first; this handler reads the layer's
@@ -23,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_gemm.h"
 #include "cpu_tasks.h"
 #include "cpu_vector_math.h"
 #include "xla/ffi/api/ffi.h"
@@ -37,7 +41,8 @@ constexpr int64_t kStep = 2 * kLanes;  // columns per step of the (in, out) layo
 constexpr int64_t kColumns = 2048;  // output columns per task of the (in, out) layout (sums in L1)
 constexpr int64_t kUnroll = 4;      // weight rows added per pass over the sums
 constexpr int64_t kTransposedTile = 256;   // output columns (weight rows) per task of the transposed layout
-constexpr int64_t kMinBytesPerTask = 1 << 17;  // below this a task is not worth a pool thread
+constexpr int64_t kMinBytesPerTask = 1 << 17;  // below this a task is not worth a helper thread
+constexpr int64_t kMatvecRows = 16;  // more rows of the (in, out) layout take the GEMM path
 
 struct Problem {
   const float* x;
@@ -224,6 +229,8 @@ ffi::ErrorOr<Problem> plan(const float* x, const float* x_even_odd, int64_t m, i
   Problem p{x, x_even_odd, base, static_cast<float*>(y->untyped_data()), m, k, n, transposed};
   if (transposed) {
     tasks = (n + kTransposedTile - 1) / kTransposedTile;
+  } else if (m > kMatvecRows) {
+    tasks = 0;  // the GEMM path plans its own
   } else {  // split K so that each thread streams its own contiguous rows; one partial [M, N] per chunk
     p.column_blocks = (n + kColumns - 1) / kColumns;
     p.k_chunks = std::max<int64_t>(1, std::min(k / kUnroll, threads));
@@ -248,6 +255,47 @@ void rms_norm(const float* x, const G* g, int64_t m, int64_t k, float eps, bool 
       out[r * k + j] = round_bf16 && sizeof(G) == 2 ? round_to_bf16(scaled) : scaled;  // bf16 x bf16 is bf16
     }
   }
+}
+
+// The GEMM path: every stack's layer packed (one set of tasks), then its products by blocks of rows and
+// panels (another), on XLA's intra-op threads. x [M K] is float32; the weights float32 or bf16.
+template <typename W>
+void gemm_products(ffi::ThreadPool& pool, const float* x, const std::vector<Problem>& problems) {
+  namespace gemm = jaxlongctx::gemm;
+  const int64_t threads = pool.num_threads(), m = problems[0].m, k = problems[0].k;
+  thread_local std::vector<W> packed;  // the calling thread's, reused between calls
+  std::vector<int64_t> offset{0}, first_pack{0}, first_block{0}, groups;
+  const int64_t row_blocks = (m + gemm::kBlockRows - 1) / gemm::kBlockRows;
+  for (const Problem& p : problems) {
+    const int64_t panels = gemm::panels(p.n);
+    offset.push_back(offset.back() + panels * k * gemm::kCols);
+    first_pack.push_back(first_pack.back() + (panels + gemm::kPackPanels - 1) / gemm::kPackPanels);
+    // panel groups per row block: enough tasks for every thread where the rows alone are few
+    groups.push_back(std::clamp<int64_t>((4 * threads + row_blocks - 1) / row_blocks, 1, panels));
+    first_block.push_back(first_block.back() + row_blocks * groups.back());
+  }
+  if (static_cast<int64_t>(packed.size()) < offset.back()) packed.resize(offset.back());
+  W* const panels_of = packed.data();  // (a lambda running on a helper would name that thread's `packed`)
+  auto problem_of = [&problems](const std::vector<int64_t>& first, int64_t& t) {
+    size_t i = 0;
+    while (t >= first[i + 1]) ++i;
+    t -= first[i];
+    return i;
+  };
+  jaxlongctx::run_tasks<int>(pool, threads, first_pack.back(), [&](int64_t t, int&) {
+    const size_t i = problem_of(first_pack, t);
+    const Problem& p = problems[i];
+    const int64_t p0 = t * gemm::kPackPanels, p1 = std::min(gemm::panels(p.n), p0 + gemm::kPackPanels);
+    gemm::pack(static_cast<const W*>(p.w), k, p.n, p0, p1, panels_of + offset[i]);
+  });
+  jaxlongctx::run_tasks<int>(pool, threads, first_block.back(), [&](int64_t t, int&) {
+    const size_t i = problem_of(first_block, t);
+    const Problem& p = problems[i];
+    const int64_t panels = gemm::panels(p.n), g = t % groups[i], rb = t / groups[i];
+    const int64_t r0 = rb * gemm::kBlockRows, r1 = std::min(m, r0 + gemm::kBlockRows);
+    gemm::block(x, panels_of + offset[i], k, p.n, r0, r1, panels * g / groups[i], panels * (g + 1) / groups[i],
+                p.y);
+  });
 }
 
 // y_i = x @ w_i[layer] for every weight stack w_i (the remaining arguments) and result y_i, as one set of
@@ -304,6 +352,14 @@ ffi::Error LayerMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     if (!p.has_value()) return p.error();
     problems.push_back(*p);
     first_task.push_back(first_task.back() + tasks);
+  }
+  if (!transposed && m > kMatvecRows) {
+    if (bf16) {
+      gemm_products<uint16_t>(pool, input, problems);
+    } else {
+      gemm_products<float>(pool, input, problems);
+    }
+    return ffi::Error::Success();
   }
   const Runner run = bf16 ? runner<uint16_t>(transposed) : runner<float>(transposed);
   const int64_t acc_size = transposed ? 0 : m * kColumns;  // each thread's partial sums (in, out layout)

@@ -14,13 +14,15 @@
 //    log-sum-exp. No key or value is reconstructed.
 //    Packed 4-bit codes (at most 16 centroids, two codes a byte: subspace 2p in the low nibble of
 //    byte p, 2p + 1 in the high; ds 1, 2 or 4) take the register path instead (coded_task_small): a
-//    subspace's lookup table, per query head, is one 16-float vector and a tile of 16 tokens is
-//    scored by one permute of it with their 16 codes; the values are the value centroids permuted the
-//    same way, weighted and summed per lane. A tile's code bytes are first transposed in registers
-//    from [16 tokens, M/2] to [M/2, 16 tokens] (CodeTranspose). With bf16 queries (attr bf16_math, a
-//    bf16 model) at ds 1 and 2, on CPUs with AVX512-BF16, keys and values are looked up as bf16 and
-//    multiplied in pairs by vdpbf16ps instead (scores_bf16, values_bf16): q, the centroids and the
-//    weights at bf16, as the model's own attention rounds them, with float32 sums.
+//    subspace's lookup table, per query head, is 16 floats and a tile of kTile tokens (one vector
+//    register: 16 on AVX-512, 8 on AVX2, 4 on the base tier) is scored by one lookup of it with their
+//    codes (a permute; two and a blend on AVX2); the values are the value centroids looked up the
+//    same way, weighted and summed per lane. A tile's code bytes are first transposed from
+//    [kTile tokens, M/2] to [M/2, kTile tokens] (CodeTranspose, in registers on AVX512-VBMI). With
+//    bf16 queries (attr bf16_math, a bf16 model) at ds 1 and 2, on CPUs with AVX512-BF16, keys and
+//    values are looked up as bf16 and multiplied in pairs by vdpbf16ps instead (scores_bf16,
+//    values_bf16): q, the centroids and the weights at bf16, as the model's own attention rounds them,
+//    with float32 sums.
 //  - window (row b, kv head k): exact attention of the G heads over the first win_lengths[b] slots.
 // The partials of each (b, k, g) are then merged by log-sum-exp into out, so the step's XLA graph has
 // one operation for the layer's attention.
@@ -41,13 +43,13 @@
 #include "cpu_vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__) || defined(__AVX512VBMI__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace ffi = xla::ffi;
-using jaxlongctx::v16;
-using jaxlongctx::v16i;
+using jaxlongctx::vf;
+using jaxlongctx::vi;
 using jaxlongctx::widen;
 
 namespace {
@@ -77,40 +79,61 @@ inline v4 exp4(v4 x) { return jaxlongctx::exp_nonpositive<v4, v4i>(x); }
 
 // ---- packed 4-bit codes: the register path ----
 
-constexpr int64_t kTile = 16;         // tokens per vector
+// Tokens per vector: one register of this build's tier (`cpu_vector_math.h`: 16 on AVX-512, 8 on AVX2, 4
+// on the base tier), so a tile's scores, weights and sums stay in registers on every tier.
+constexpr int64_t kTile = jaxlongctx::kLanes;
+constexpr int64_t kCodes = 16;        // entries of a 4-bit code's table (C <= 16, zero-padded)
 constexpr int64_t kSmallChunk = 128;  // tokens scored before their weights are applied to the values
 constexpr int64_t kPrefetchTokens = 2 * 128;  // how far ahead of its transpose a tile's codes are fetched
 constexpr int64_t kMaxCodeBytes = 256;  // packed code bytes per token the register path takes (M <= 512)
 
 typedef uint8_t v64b __attribute__((vector_size(64)));
-typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef uint8_t vb __attribute__((vector_size(kTile)));
 
-// table[idx[i]] for 16 lanes (idx in [0, 16)): one permute on AVX-512.
-inline v16 lookup16(v16 table, v16i idx) {
+// A 16-entry table (one subspace's values per code) in as many registers as the tier needs.
+struct Table {
+  vf part[kCodes / kTile];
+};
+
+inline vf load(const float* p) { return jaxlongctx::load(p); }
+
+inline Table load_table(const float* p) {  // p: 16 floats
+  Table t;
+  for (int64_t i = 0; i < kCodes / kTile; ++i) t.part[i] = load(p + i * kTile);
+  return t;
+}
+
+// table[idx[i] & 15] for every lane: one permute on AVX-512; two 8-lane permutes and a blend on bit 3
+// of the index on AVX2; a lane loop on the base tier.
+inline vf lookup(const Table& table, vi idx) {
 #if defined(__AVX512F__)
-  return (v16)_mm512_permutexvar_ps((__m512i)idx, (__m512)table);
+  return (vf)_mm512_permutexvar_ps((__m512i)idx, (__m512)table.part[0]);
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_permutevar8x32_ps((__m256)table.part[0], (__m256i)idx);
+  const __m256 hi = _mm256_permutevar8x32_ps((__m256)table.part[1], (__m256i)idx);
+  return (vf)_mm256_blendv_ps(lo, hi, (__m256)(idx << 28));  // bit 3 of the index -> the sign bit
 #else
-  v16 r;
-  for (int64_t i = 0; i < kTile; ++i) r[i] = table[idx[i] & 15];
+  float entries[kCodes];
+  std::memcpy(entries, table.part, sizeof(entries));
+  vf r;
+  for (int64_t i = 0; i < kTile; ++i) r[i] = entries[idx[i] & 15];
   return r;
 #endif
 }
 
-inline v16i widen_codes(const uint8_t* p) {  // 16 codes -> 16 int32 indices
+inline vi widen_codes(const uint8_t* p) {  // kTile codes -> kTile int32 indices
 #if defined(__AVX512F__)
-  return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-  v16b b;
+  vb b;
   std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, v16i);
+  return __builtin_convertvector(b, vi);
 #endif
 }
 
-inline v16 load(const float* p) { return jaxlongctx::load<v16>(p); }  // 16 lanes on every tier
+inline void store(float* p, vf x) { jaxlongctx::store(p, x); }
 
-inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
-
-// Transposes the code bytes of 16 tokens, [16, N] row-major, into [N, 16] (a tile of the register path).
+// Transposes the code bytes of kTile tokens, [kTile, N] row-major, into [N, kTile] (a tile of the register path).
 // For N = 4 << R (R = 1..4) on CPUs with byte permutes, in R rounds of two-source byte permutes over
 // the 16N / 64 = 2^R vectors: round r swaps bit 6 + r of a byte's position (its vector's bit r) with
 // bit 2 + r (bit 2 + r of its column, which is where it starts), so after the last round vector o
@@ -123,6 +146,7 @@ struct CodeTranspose {
 
   explicit CodeTranspose(int64_t n) : columns(n) {
 #if defined(__AVX512VBMI__)
+    static_assert(kTile == 16, "the byte permutes move 16 tokens' codes");
     int64_t r = 0;
     while ((int64_t{4} << r) < n) ++r;
     if (r < 1 || r > 4 || (int64_t{4} << r) != n) return;  // scalar path
@@ -145,7 +169,7 @@ struct CodeTranspose {
 #endif
   }
 
-  // src: 16 tokens' code bytes [16, N] -> dst [N, 16].
+  // src: kTile tokens' code bytes [kTile, N] -> dst [N, kTile].
   void operator()(const uint8_t* src, uint8_t* dst) const {
 #if defined(__AVX512VBMI__)
     switch (rounds) {
@@ -421,7 +445,7 @@ void values_bf16(const Scratch& scratch, const uint8_t* v_tiles, int64_t tiles, 
   }
 }
 
-inline v16 bf16_round(v16 x) { return (v16)_mm512_cvtpbh_ps(_mm512_cvtneps_pbh((__m512)x)); }
+inline vf bf16_round(vf x) { return (vf)_mm512_cvtpbh_ps(_mm512_cvtneps_pbh((__m512)x)); }
 #else
 #define JAXLONGCTX_BF16_PATH 0
 template <int DS>
@@ -445,8 +469,8 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
   auto& vtab = scratch.vtab;    // [M, DS, 16]: v_cent[m, c, j] at [m, j, c]
   auto& acc = scratch.bins;     // [H, D, 16] weighted values, 16 lanes per entry
   auto& w = scratch.scores;     // [H, kSmallChunk] scores, then weights
-  lut.assign(H * M * kTile, 0.0f);
-  vtab.assign(M * DS * kTile, 0.0f);
+  lut.assign(H * M * kCodes, 0.0f);
+  vtab.assign(M * DS * kCodes, 0.0f);
   acc.assign(H * D * kTile, 0.0f);
   w.resize(H * kSmallChunk);
   scratch.k_tiles.resize(kSmallChunk * N);
@@ -461,19 +485,20 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
         const float* centroid = p.k_cent + cent_base + (m * C + c) * DS;
         float dot = 0.0f;
         for (int j = 0; j < DS; ++j) dot += q[m * DS + j] * centroid[j];
-        lut[(h * M + m) * kTile + c] = dot;
+        lut[(h * M + m) * kCodes + c] = dot;
       }
   }
   for (int64_t m = 0; m < M && !kBf16; ++m)
     for (int64_t c = 0; c < C; ++c)
-      for (int j = 0; j < DS; ++j) vtab[(m * DS + j) * kTile + c] = p.v_cent[cent_base + (m * C + c) * DS + j];
+      for (int j = 0; j < DS; ++j) vtab[(m * DS + j) * kCodes + c] = p.v_cent[cent_base + (m * C + c) * DS + j];
 
   const CodeTranspose& transpose = *p.transpose;
   uint8_t* k_tiles = scratch.k_tiles.data();  // [tiles, M/2, 16]
   uint8_t* v_tiles = scratch.v_tiles.data();
   float ref[H], total[H];
   for (int h = 0; h < H; ++h) ref[h] = -inf, total[h] = 0.0f;
-  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  vf lane;  // 0, 1, ..., kTile - 1
+  for (int64_t i = 0; i < kTile; ++i) lane[i] = static_cast<float>(i);
   for (int64_t t0 = lo; t0 < hi; t0 += kSmallChunk) {
     const int64_t n = std::min(kSmallChunk, hi - t0), tiles = (n + kTile - 1) / kTile;
     for (int64_t i = 0; i < tiles; ++i) {
@@ -500,23 +525,24 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
     if constexpr (kBf16) scores_bf16<H, DS>(scratch, k_tiles, tiles, N, hd, w.data());
 #endif
     for (int64_t i = 0; i < tiles && !kBf16; ++i) {  // scores
-      v16 sc[H] = {};
+      vf sc[H] = {};
       const uint8_t* codes = k_tiles + i * kTile * N;
       for (int64_t pair = 0; pair < N; ++pair) {  // subspaces 2 pair (low nibbles) and 2 pair + 1 (high)
-        const v16i low = widen_codes(codes + pair * kTile), high = low >> 4;  // the permute reads 4 bits
-        const float* tables = lut.data() + 2 * pair * kTile;
+        const vi low = widen_codes(codes + pair * kTile), high = low >> 4;  // the lookup reads 4 bits
+        const float* tables = lut.data() + 2 * pair * kCodes;
         for (int h = 0; h < H; ++h)
-          sc[h] += lookup16(load(tables + h * M * kTile), low) + lookup16(load(tables + (h * M + 1) * kTile), high);
+          sc[h] += lookup(load_table(tables + h * M * kCodes), low) +
+                   lookup(load_table(tables + (h * M + 1) * kCodes), high);
       }
-      for (int h = 0; h < H; ++h) store16(w.data() + h * kSmallChunk + i * kTile, sc[h]);
+      for (int h = 0; h < H; ++h) store(w.data() + h * kSmallChunk + i * kTile, sc[h]);
     }
     const float valid = static_cast<float>(n - (tiles - 1) * kTile);  // lanes of the last tile in the row
     for (int h = 0; h < H; ++h) {
       float* wh = w.data() + h * kSmallChunk;
-      v16 top = v16{} - inf;
+      vf top = vf{} - inf;
       for (int64_t i = 0; i < tiles; ++i) {
-        v16 si = load(wh + i * kTile);
-        if (i == tiles - 1) si = lane < valid ? si : v16{} - inf;  // padded lanes
+        vf si = load(wh + i * kTile);
+        if (i == tiles - 1) si = lane < valid ? si : vf{} - inf;  // padded lanes
         top = si > top ? si : top;
       }
       float peak = ref[h];
@@ -527,18 +553,18 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
         if (t0 > lo) {
           total[h] *= factor;
           float* a = acc.data() + h * D * kTile;
-          for (int64_t e = 0; e < D * kTile; e += kTile) store16(a + e, load(a + e) * factor);
+          for (int64_t e = 0; e < D * kTile; e += kTile) store(a + e, load(a + e) * factor);
         }
         ref[h] = next;
       }
-      v16 sum = {};
+      vf sum = {};
       for (int64_t i = 0; i < tiles; ++i) {
-        v16 wi = jaxlongctx::exp_nonpositive<v16, v16i>(load(wh + i * kTile) - ref[h]);
-        if (i == tiles - 1) wi = lane < valid ? wi : v16{};
+        vf wi = jaxlongctx::exp_nonpositive<vf, vi>(load(wh + i * kTile) - ref[h]);
+        if (i == tiles - 1) wi = lane < valid ? wi : vf{};
 #if JAXLONGCTX_BF16_PATH
         if constexpr (kBf16) wi = bf16_round(wi);  // the weights values_bf16 multiplies
 #endif
-        store16(wh + i * kTile, wi);
+        store(wh + i * kTile, wi);
         sum += wi;
       }
       total[h] += jaxlongctx::sum(sum);
@@ -549,17 +575,18 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
     if constexpr (kBf16) values_bf16<H, DS>(scratch, v_tiles, tiles, N, w.data(), acc.data());
 #endif
     for (int64_t m0 = 0; m0 < M && !kBf16; m0 += S) {
-      v16 table[S][DS], part[H][S][DS] = {};
+      Table table[S][DS];
+      vf part[H][S][DS] = {};
       for (int u = 0; u < S; ++u)
-        for (int j = 0; j < DS; ++j) table[u][j] = load(vtab.data() + ((m0 + u) * DS + j) * kTile);
+        for (int j = 0; j < DS; ++j) table[u][j] = load_table(vtab.data() + ((m0 + u) * DS + j) * kCodes);
       for (int64_t i = 0; i < tiles; ++i) {
-        const v16i byte = widen_codes(v_tiles + i * kTile * N + m0 / 2 * kTile);
-        v16 wi[H];
+        const vi byte = widen_codes(v_tiles + i * kTile * N + m0 / 2 * kTile);
+        vf wi[H];
         for (int h = 0; h < H; ++h) wi[h] = load(w.data() + h * kSmallChunk + i * kTile);
         for (int u = 0; u < S; ++u) {
-          const v16i idx = byte >> (4 * ((m0 + u) % 2));  // the permute reads the low 4 bits
+          const vi idx = byte >> (4 * ((m0 + u) % 2));  // the lookup reads the low 4 bits
           for (int j = 0; j < DS; ++j) {
-            const v16 vals = lookup16(table[u][j], idx);
+            const vf vals = lookup(table[u][j], idx);
             for (int h = 0; h < H; ++h) part[h][u][j] += wi[h] * vals;
           }
         }
@@ -568,7 +595,7 @@ void coded_task_small(const Problem& p, int64_t b, int64_t k, int64_t nb, int64_
         for (int u = 0; u < S; ++u)
           for (int j = 0; j < DS; ++j) {
             float* a = acc.data() + (h * D + (m0 + u) * DS + j) * kTile;
-            store16(a, load(a) + part[h][u][j]);
+            store(a, load(a) + part[h][u][j]);
           }
     }
   }

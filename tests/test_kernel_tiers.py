@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the tiers below are x86-64 -march levels"
 )
 SOURCES = sorted(Path(native_build.__file__).parent.glob("*_cpu.cc"))
-# The reference tests of every CPU kernel (dense products, dense attention, k-means, PQ attention).
+# The reference tests of every CPU kernel (dense products and their GEMM path, decode attention, k-means,
+# PQ attention, prefill attention).
 REFERENCE_TESTS = (
     "tests/test_layer_matvec.py::test_matches_a_float64_reference",
     "tests/test_layer_matvec.py::test_normalised_input_equals_the_norm_then_the_product",
@@ -31,6 +32,7 @@ REFERENCE_TESTS = (
     "tests/test_pq_codec.py::test_tiled_assignment_equals_brute_force[native-2]",
     "tests/test_pq_attention_kernel.py::test_native_path_matches_oracle",
     "tests/test_pq_attention_kernel.py::test_native_register_path_matches_oracle",
+    "tests/test_prefill_attention_cpu.py::test_equals_the_xla_path",
 )
 # -march level -> the /proc/cpuinfo flags a CPU needs to run it, and the tier it builds
 LOWER_TIERS = {"x86-64": ((), "base"), "x86-64-v3": (("avx2", "fma", "bmi2"), "AVX2")}
@@ -48,7 +50,7 @@ def test_the_avx512_tier_compiles():
     _compiler_or_skip()
     with ThreadPoolExecutor(2) as pool:
         errors = dict(zip(SOURCES, pool.map(native_build.compile_check, SOURCES)))
-    assert len(SOURCES) == 4
+    assert len(SOURCES) == 5
     assert all(e is None for e in errors.values()), {s.name: e for s, e in errors.items() if e}
 
 

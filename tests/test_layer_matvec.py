@@ -15,7 +15,7 @@ from jaxlongctx.decode_loop import Request
 from jaxlongctx.generate import _compiled
 from jaxlongctx.kvcache.dense import DenseCache
 from jaxlongctx.model import llama
-from pallas_kernels import decode_attention_cpu, layer_matvec_cpu
+from pallas_kernels import decode_attention_cpu, layer_matvec_cpu, prefill_attention_cpu
 from pallas_kernels.layer_matvec_cpu import layer_matvec, layer_matvecs
 
 pytestmark = pytest.mark.jaxmin
@@ -43,6 +43,8 @@ def _reference(x: np.ndarray, w: np.ndarray, layer: int, transposed: bool) -> np
         (3, 37, 70, False),  # no full 32-column step in a tail, odd K (rows beyond the unroll of 4)
         (5, 64, 2100, False),  # two column blocks, the second with a scalar tail
         (16, 130, 96, False),
+        (40, 37, 70, False),  # the GEMM path (> 16 rows): a partial micro-tile of rows and of columns
+        (211, 600, 96, False),  # three K passes of the AVX2 tier's GEMM, two blocks of rows
         (1, 70, 300, True),  # transposed: K not a multiple of 16, a partial last tile of rows
         (4, 576, 1000, True),
     ],
@@ -191,3 +193,30 @@ def test_pq_decode_reads_weights_in_place_with_the_same_tokens():
     codebooks = jaxlongctx.calibrate(model, rng.integers(3, 97, 512), iters=2, seq_len=128, max_tokens=256)
     outs = _generate_both_ways(model, ids, cache=PQKV(codebooks, window=8))
     np.testing.assert_array_equal(outs[True], outs[False])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prefill_reads_weights_in_place_with_the_same_hidden_states(dtype):
+    """An inference prefill of >= IN_PLACE_PREFILL_ROWS rows (the GEMM path and the native attention) equals
+    XLA's path on every real token, and calls the kernels only when asked (`in_place`)."""
+    m = jaxlongctx.Model.init(CFG, seed=5, dtype=dtype)
+    model = m.merge(m.params)
+    ids = jnp.asarray(np.random.default_rng(2).integers(3, 97, (2, 40)), jnp.int32)  # 80 rows
+    mask = jnp.ones(ids.shape, bool).at[1, :5].set(False)
+    runs = {
+        in_place: jax.jit(
+            lambda ids, mask, p=in_place: llama.forward_hidden(model, ids, mask, True, in_place=p)
+        )
+        for in_place in (False, True)
+    }
+    (h0, (k0, _)), (h1, (k1, _)) = runs[False](ids, mask), runs[True](ids, mask)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    real = np.asarray(mask)  # pad tokens see no key: the native attention leaves them 0, XLA's a mean
+    for got, want in ((h1[real], h0[real]), (k1[:, real], k0[:, real])):
+        want = np.asarray(want.astype(jnp.float32))
+        np.testing.assert_allclose(
+            np.asarray(got.astype(jnp.float32)), want, rtol=tol, atol=tol * np.abs(want).max()
+        )
+    texts = {p: run.lower(ids, mask).as_text() for p, run in runs.items()}
+    for target in (layer_matvec_cpu.TARGET, prefill_attention_cpu.TARGET):
+        assert target in texts[True] and target not in texts[False]

@@ -126,10 +126,16 @@ def causal_prefill_attention(
     def pad_to(x, length):
         return jnp.pad(x, ((0, 0), (0, length - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
 
+    # float32 operands, widened once here: bf16 ones would be widened again for every tile's dots (XLA's
+    # CPU dot runs bf16 as float32); their products are the same
     q_blocks = (
-        pad_to(q, n_q * chunk).reshape(b, n_q, chunk, kv, g, hd).transpose(1, 0, 3, 2, 4, 5)
+        pad_to(q.astype(jnp.float32), n_q * chunk)
+        .reshape(b, n_q, chunk, kv, g, hd)
+        .transpose(1, 0, 3, 2, 4, 5)
     )  # Nq B K c G hd
-    keys, values = (pad_to(x, n_k * key_block).transpose(0, 2, 1, 3) for x in (k, v))  # B K Tk hd
+    keys, values = (
+        pad_to(x.astype(jnp.float32), n_k * key_block).transpose(0, 2, 1, 3) for x in (k, v)
+    )  # B K Tk hd
     key_valid = pad_to(key_valid, n_k * key_block)
     scale = hd**-0.5
 
@@ -151,8 +157,8 @@ def causal_prefill_attention(
             new_top = jax.lax.stop_gradient(jnp.maximum(top, jnp.max(scores, axis=-1)))
             weights = jnp.exp(scores - new_top[..., None])
             rescale = jnp.exp(top - new_top)
-            pv = jnp.einsum(
-                "bkcgs,bksd->bkcgd", weights.astype(v.dtype), vj, preferred_element_type=jnp.float32
+            pv = jnp.einsum(  # the weights rounded to v's dtype, as a dot in that dtype takes them
+                "bkcgs,bksd->bkcgd", weights.astype(v.dtype).astype(jnp.float32), vj
             )
             return new_top, total * rescale + jnp.sum(weights, axis=-1), acc * rescale[..., None] + pv
 

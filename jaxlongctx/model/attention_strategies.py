@@ -42,6 +42,7 @@ from jaxlongctx.model.attention import (
 from jaxlongctx.model.layers import Attend
 from jaxlongctx.sharding import sharded_pq_decode_attention
 from pallas_kernels.decode_attention_cpu import cached_decode_attention
+from pallas_kernels.prefill_attention_cpu import prefill_attention
 
 KVPair = tuple[jnp.ndarray, jnp.ndarray]  # keys and values (or their caches) of one layer
 KVMap = Callable[[jnp.ndarray, jnp.ndarray], KVPair]  # post-RoPE (k, v) -> transformed (k, v)
@@ -53,16 +54,20 @@ class CausalPrefill:
 
     q `[..., B, T, H, hd]`, k/v `[..., B, T, K, hd]`, key_valid `[..., B, T]`: leading axes before `B`
     (a grouped ARMT step's `G`) are folded into the batch. `chunk` queries per flash-style block (see
-    `causal_prefill_attention`). aux: the k/v if `collect_kv` (to fill a cache), else None.
+    `causal_prefill_attention`). aux: the k/v if `collect_kv` (to fill a cache), else None. `native`
+    (inference on CPU, no leading axes before `B`): the C++ kernel `pallas_kernels.prefill_attention_cpu`.
     """
 
     key_valid: jnp.ndarray
     collect_kv: bool = False
     chunk: int = PREFILL_QUERY_BLOCK
+    native: bool = False
 
     def __call__(self, q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray) -> tuple[jnp.ndarray, Any]:
         lead = q.shape[:-3]
-        if len(lead) == 1:
+        if self.native and len(lead) == 1:
+            out = prefill_attention(q, k, v, self.key_valid)
+        elif len(lead) == 1:
             out = causal_prefill_attention(q, k, v, self.key_valid, chunk=self.chunk)
         else:
             rows = lambda x, tail: x.reshape(-1, *x.shape[-tail:])

@@ -11,7 +11,7 @@ from jaxlongctx.model.attention_strategies import CachedDecode, CausalPrefill
 from jaxlongctx.model.layers import DecoderLayer, Dense, FusedDense, rms_norm, stacked_layers
 from jaxlongctx.model.rope import inverse_frequencies, rope_tables
 from jaxlongctx.sharding import embed_lookup, matmul, reshard_like
-from pallas_kernels import decode_attention_cpu
+from pallas_kernels import decode_attention_cpu, prefill_attention_cpu
 from pallas_kernels.layer_matvec_cpu import MAX_ROWS, layer_matvec, layer_matvecs, native_kernel_error
 
 # Decode steps on CPU multiply by the weight matrices where they lie in the stacked arrays
@@ -22,6 +22,10 @@ IN_PLACE_DECODE = True
 # Read when a step is traced; the serving engine lowers it to 1 for its batched steps, where XLA's dot
 # was the faster program (4x at 8 rows, SmolLM2 on 2 cores) while the cache is still read in place.
 IN_PLACE_WEIGHT_ROWS = MAX_ROWS
+# Inference prefills (`forward_hidden(..., in_place=True)`) of at least this many token rows multiply by
+# the stacked weights in place too, through the kernel's GEMM path (bf16 widened in registers; XLA's
+# CPU dot widens a bf16 operand through memory and runs at its float32 rate). Read when traced.
+IN_PLACE_PREFILL_ROWS = 64
 
 
 def reads_cache_in_place(model: Llama, cache_k: jax.Array, rows: int) -> bool:
@@ -42,6 +46,11 @@ def reads_weights_in_place(weights: jax.Array, rows: int) -> bool:
     """Whether a product of `rows` token rows by `weights` (a float32/bf16 array on one CPU device) goes
     through the in-place native kernel: few rows, and the kernel built on this machine."""
     return _in_place_possible(weights) and rows <= min(MAX_ROWS, IN_PLACE_WEIGHT_ROWS)
+
+
+def prefill_reads_weights_in_place(weights: jax.Array, rows: int) -> bool:
+    """Whether an inference prefill of `rows` token rows multiplies by `weights` in place (the GEMM path)."""
+    return _in_place_possible(weights) and rows >= IN_PLACE_PREFILL_ROWS
 
 
 def _in_place_possible(weights: jax.Array) -> bool:
@@ -111,8 +120,14 @@ class Llama(nnx.Module):
         arrays and `dense` multiplies by this layer's slice of them in place (only the per-layer vectors
         are sliced); elsewhere the layer is sliced as in `scan_layers` and `dense` is the plain product.
         """
+        in_place = reads_weights_in_place(self.embed[...], h.shape[0] * h.shape[1])
+        return self.scan_layers_with_products(body, h, xs, in_place)
+
+    def scan_layers_with_products(self, body, h: jnp.ndarray, xs, in_place: bool):
+        """`scan_decode_layers` with the choice made by the caller: `in_place` multiplies by the stacked
+        weights in place (the native kernel: few rows, or a prefill's GEMM), else the plain product."""
         graphdef, state = nnx.split(self.layers)
-        if not reads_weights_in_place(self.embed[...], h.shape[0] * h.shape[1]):
+        if not in_place:
             return self.scan_layers(lambda layer, c, x: body(layer, matmul, c, x), h, xs)
 
         def step(c, per_layer):
@@ -170,22 +185,34 @@ def positions_from_mask(mask: jnp.ndarray) -> jnp.ndarray:
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def forward_with(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, attend):
+def forward_with(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, attend, in_place: bool = False):
     """Full forward of ids `[B, T]` (padding mask `[B, T]`) with the attention strategy `attend` (see
     `attention_strategies`) in every layer; returns hidden states `[B, T, D]` and its aux per layer,
-    stacked on a leading `L` axis."""
+    stacked on a leading `L` axis. `in_place` (inference only: its gradients are not meant for training)
+    multiplies by the stacked weights in place on CPU where `prefill_reads_weights_in_place`."""
     cos, sin = model.rope(positions_from_mask(mask))
+    h = model.embed_ids(ids)
+    in_place = in_place and prefill_reads_weights_in_place(model.embed[...], ids.shape[0] * ids.shape[1])
 
-    def body(layer: DecoderLayer, h, _):
-        return layer(h, cos, sin, attend)
+    def body(layer: DecoderLayer, dense: Dense, h, _):
+        return layer(h, cos, sin, attend, dense)
 
-    return model.scan_layers(body, model.embed_ids(ids))
+    return model.scan_layers_with_products(body, h, None, in_place)
 
 
-def forward_hidden(model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, collect_kv: bool = False):
+def forward_hidden(
+    model: Llama, ids: jnp.ndarray, mask: jnp.ndarray, collect_kv: bool = False, in_place: bool = False
+):
     """Full causal forward; returns hidden states `[B, T, D]` and, if asked, per-layer post-RoPE
-    k/v `[L, B, T, K, hd]` (for filling a cache)."""
-    h, kv = forward_with(model, ids, mask, CausalPrefill(mask, collect_kv=collect_kv))
+    k/v `[L, B, T, K, hd]` (for filling a cache). `in_place`: see `forward_with`; where the weights are
+    read in place the attention is the native CPU kernel too (`pallas_kernels.prefill_attention_cpu`)."""
+    native = (
+        in_place
+        and prefill_reads_weights_in_place(model.embed[...], ids.shape[0] * ids.shape[1])
+        and prefill_attention_cpu.native_kernel_error() is None
+    )
+    attend = CausalPrefill(mask, collect_kv=collect_kv, native=native)
+    h, kv = forward_with(model, ids, mask, attend, in_place)
     return (h, kv) if collect_kv else h
 
 
