@@ -32,7 +32,7 @@ from jaxlongctx.model import llama
 from jaxlongctx.model.llama import decode_hidden
 from jaxlongctx.model.model import Model
 from jaxlongctx.pq_generate import place_codebooks, pq_decode_hidden, pq_encode_prompt, pq_prefill
-from jaxlongctx.serve.chunked_prefill import DEFAULT_CHUNK, PromptReading, chunk_plan, read_chunk
+from jaxlongctx.serve.chunked_prefill import DEFAULT_CHUNK, PromptReading, check_chunk, chunk_plan, read_chunk
 from jaxlongctx.serve.sampling import choose_per_slot
 from jaxlongctx.sharding import LOGICAL_AXES, put, put_batch
 
@@ -95,7 +95,7 @@ class BatchDecoder(abc.ABC):
         self._steps: dict[bool, Any] = {}
         self._read_chunk: Any = None  # the jitted `read_chunk`
         self._finish_fns: dict[int, Any] = {}
-        chunk_plan(chunk + 1, chunk)  # checks the chunk size
+        check_chunk(chunk)
         # prompt buffer slots: every chunk's writes fit (a prompt has < context tokens)
         self.prompt_slots = bucket_length(context) + chunk
 

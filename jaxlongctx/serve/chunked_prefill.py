@@ -25,11 +25,16 @@ from jaxlongctx.model.llama import Llama
 DEFAULT_CHUNK = 512  # prompt tokens per chunk (a multiple of OBSERVE)
 
 
+def check_chunk(chunk: int) -> None:
+    """Raise ValueError unless `chunk` holds the OBSERVE tokens a last chunk must hold."""
+    if chunk < OBSERVE:
+        raise ValueError(f"the prefill chunk must be >= {OBSERVE} tokens, got {chunk}")
+
+
 def chunk_plan(n: int, chunk: int) -> list[tuple[int, int]]:
     """(start, count) of each chunk of an `n`-token prompt: `chunk` tokens each, the next to last one
     shortened where the last would hold fewer than OBSERVE tokens (chunk >= OBSERVE)."""
-    if chunk < OBSERVE:
-        raise ValueError(f"the prefill chunk must be >= {OBSERVE} tokens, got {chunk}")
+    check_chunk(chunk)
     ends = list(range(chunk, n, chunk)) + [n]
     if len(ends) > 1 and n - ends[-2] < OBSERVE:
         ends[-2] = n - OBSERVE
